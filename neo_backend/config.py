@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import os
 import typing
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -33,7 +34,7 @@ class EngineConfig:
                                                  "help": "auto: bfloat16 on CUDA, float32 on CPU"})
     device: str = field(default="auto", metadata={"choices": DEVICES})
     max_model_len: int | None = field(default=None, metadata={"help": "default: the model's max positions"})
-    seed: int = 0
+    default_seed: int = field(default=0, metadata={"help": "seed of the sampler for requests without a seed"})
     # Paged KV cache
     block_size: int = 16
     num_gpu_blocks: int | None = field(default=None, metadata={"help": "explicit GPU KV pool size in blocks"})
@@ -49,7 +50,8 @@ class EngineConfig:
     cpu_kv_cache_gb: float = field(default=4.0, metadata={"help": "host (pinned) KV pool size in GiB"})
     cpu_attention_threads: int | None = field(default=None, metadata={"help": "default: the cores this process may use"})
     pipeline: str = field(default="auto", metadata={"choices": PIPELINE_MODES})
-    profile_cache_dir: str | None = field(default=None, metadata={"help": "default: ~/.cache/neo-triton/profiles"})
+    cache_dir: str | None = field(default=None, metadata={"help": "converted tokenizers and performance profiles; "
+                                                                   "default: $XDG_CACHE_HOME/neo-triton"})
     # Per-request limits (admission control)
     max_prompt_bytes: int = 1 << 20
     max_tokens_cap: int = field(default=32768, metadata={"help": "largest max_tokens a request may ask for"})
@@ -79,6 +81,11 @@ class EngineConfig:
             raise ConfigError(f"cpu_kv_cache_gb must be >= 0, got {self.cpu_kv_cache_gb}")
         if self.max_logprobs < 0:
             raise ConfigError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+
+    @property
+    def cache_path(self) -> Path:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        return Path(self.cache_dir) if self.cache_dir else Path(base) / "neo-triton"
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -145,3 +152,48 @@ def _parse(key: str, raw: Any, hint: Any, source: str) -> Any:
         return base(text)
     except ValueError:
         raise ConfigError(f"{source} {key}={raw!r} is not a valid {base.__name__}") from None
+
+
+@dataclass
+class ModelConfig:
+    """Architecture of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2), read from HF config.json."""
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+    @classmethod
+    def from_hf(cls, hf: Mapping[str, Any]) -> ModelConfig:
+        archs = hf.get("architectures") or ["LlamaForCausalLM"]
+        if archs[0] not in cls.SUPPORTED:
+            raise ConfigError(f"architecture {archs[0]} is not supported; supported: {', '.join(cls.SUPPORTED)}")
+        heads = hf["num_attention_heads"]
+        eos = hf.get("eos_token_id")
+        rope_scaling = hf.get("rope_scaling") or hf.get("rope_parameters")
+        rope_theta = hf.get("rope_theta") or (rope_scaling or {}).get("rope_theta", 10000.0)
+        if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type", "default")) == "default":
+            rope_scaling = None
+        return cls(
+            vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"], num_heads=heads,
+            num_kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-5), rope_theta=float(rope_theta), rope_scaling=rope_scaling,
+            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=bool(hf.get("attention_bias", archs[0] == "Qwen2ForCausalLM")),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]))

@@ -1,0 +1,11 @@
+"""neo-triton engine: a Llama-family LLM serving engine with NEO CPU offloading."""
+from .config import EngineConfig, ModelConfig
+from .engine import LLMEngine
+from .errors import (ConfigError, EngineDeadError, InvalidRequestError, KernelError, KernelInputError,
+                     ModelLoadError, NeoError, QueueFullError, RequestAbortedError)
+from .outputs import RequestMetrics, RequestOutput
+from .sampling_params import SamplingParams
+
+__all__ = ["EngineConfig", "ModelConfig", "LLMEngine", "SamplingParams", "RequestOutput", "RequestMetrics",
+           "NeoError", "ConfigError", "ModelLoadError", "InvalidRequestError", "QueueFullError", "EngineDeadError",
+           "KernelError", "KernelInputError", "RequestAbortedError"]

@@ -1,0 +1,260 @@
+"""Python binding of the CPU paged decode-attention library (`kernels/`, built by `kernel_build`).
+
+Tensors are validated here, before any C code runs, so bad input raises `KernelInputError` and never
+reaches the library. Calls go through ctypes, which releases the GIL for the whole foreign call: the
+engine can run GPU work from another Python thread while the kernel runs.
+
+dtypes: the KV cache is fp16, bf16 or fp32. `q` is either the cache's dtype or fp32, and the output has
+q's dtype (all arithmetic is fp32; pass fp32 q to get unrounded fp32 output from a 16-bit cache).
+
+Run `python -m neo_backend.cpu_attention --build` to compile the library ahead of first use.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import math
+import os
+import pathlib
+import threading
+
+import torch
+
+from . import kernel_build
+from .errors import KernelError, KernelInputError
+
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+ISAS = ("scalar", "avx2", "avx512")  # index = the library's ISA code
+_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_ABI_VERSION = 1
+_STATUS = {1: "unsupported dtype or head_dim", 2: "out of memory", 3: "invalid argument"}
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_num_threads = len(os.sched_getaffinity(0))
+
+
+def build(force: bool = False) -> pathlib.Path:
+    """Compiles the library if needed (cached per source, compiler, flags and CPU) and returns its path."""
+    return kernel_build.build(force)
+
+
+def _library() -> ctypes.CDLL:
+    global _lib
+    with _lock:
+        if _lib is None:
+            path = build()
+            try:
+                lib = ctypes.CDLL(str(path))
+            except OSError as e:
+                raise KernelError(f"cannot load {path}: {e}; rebuild with "
+                                  "`python -m neo_backend.cpu_attention --build --force`") from e
+            if lib.neo_abi_version() != _ABI_VERSION:
+                raise KernelError(f"{path} has ABI {lib.neo_abi_version()}, this binding needs {_ABI_VERSION}; "
+                                  "rebuild with `python -m neo_backend.cpu_attention --build --force`")
+            p, i = ctypes.c_void_p, ctypes.c_int
+            lib.neo_paged_attention.argtypes = [p, i, p, p, i, p, p, p, i, i, i, i, i, i, ctypes.c_float, i, i]
+            lib.neo_paged_attention.restype = i
+            lib.neo_append_kv.argtypes = [p, p, p, p, p, i, ctypes.c_size_t]
+            lib.neo_append_kv.restype = i
+            lib.neo_stream_read.argtypes = [p, ctypes.c_size_t, i]
+            lib.neo_stream_read.restype = ctypes.c_double
+            lib.neo_set_isa.argtypes = [i]
+            _lib = lib
+        return _lib
+
+
+def set_num_threads(n: int) -> None:
+    """Sets the default OpenMP thread count of the kernels (initially: the cores this process may use)."""
+    global _num_threads
+    _num_threads = _thread_count(n)
+
+
+def get_num_threads() -> int:
+    return _num_threads
+
+
+def _thread_count(n: int | None) -> int:
+    if n is None:
+        return _num_threads
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise KernelInputError(f"num_threads must be a positive int, got {n!r}")
+    return n
+
+
+def active_isa() -> str:
+    """The SIMD path in use: 'avx512', 'avx2' or 'scalar'."""
+    return ISAS[_library().neo_isa()]
+
+
+def best_isa() -> str:
+    """The widest SIMD path this CPU supports."""
+    return ISAS[_library().neo_max_isa()]
+
+
+def set_isa(name: str | None) -> None:
+    """Forces a narrower SIMD path (tests cover every path this way); None restores the best one."""
+    lib = _library()
+    target = lib.neo_max_isa() if name is None else (ISAS.index(name) if name in ISAS else -1)
+    if target < 0:
+        raise KernelInputError(f"unknown ISA {name!r}; choose one of {ISAS}")
+    if lib.neo_set_isa(target) != 0:
+        raise KernelInputError(f"ISA {name!r} is not supported by this CPU (best: {best_isa()})")
+
+
+def _check(name: str, t: object, ndim: int, dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise KernelInputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise KernelInputError(f"{name} is on {t.device}; the CPU kernel needs host tensors")
+    if t.dim() != ndim:
+        raise KernelInputError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        raise KernelInputError(f"{name} has dtype {t.dtype}; expected one of {[str(d) for d in dtypes]}")
+    if not t.is_contiguous():
+        raise KernelInputError(f"{name} must be contiguous (call .contiguous()); got strides {t.stride()}")
+    return t
+
+
+def _check_shape(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
+    if tuple(t.shape) != shape:
+        raise KernelInputError(f"{name} has shape {tuple(t.shape)}, expected {shape}")
+
+
+def _check_caches(k_cache: object, v_cache: object) -> tuple[int, int, int, int]:
+    kv_dtypes = tuple(_DTYPE_CODES)
+    _check("k_cache", k_cache, 4, kv_dtypes)
+    _check("v_cache", v_cache, 4, kv_dtypes)
+    if v_cache.dtype != k_cache.dtype:
+        raise KernelInputError(f"v_cache dtype {v_cache.dtype} differs from k_cache dtype {k_cache.dtype}")
+    _check_shape("v_cache", v_cache, tuple(k_cache.shape))
+    num_blocks, block_size, hkv, d = k_cache.shape
+    if block_size < 1 or hkv < 1:
+        raise KernelInputError(f"k_cache shape {tuple(k_cache.shape)} has an empty block or head dimension")
+    return num_blocks, block_size, hkv, d
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           out: torch.Tensor | None = None, num_threads: int | None = None,
+                           split_long: bool = True) -> torch.Tensor:
+    """Decode attention of one query token per sequence over a paged KV cache.
+
+    q [B, Hq, D] (cache dtype or fp32); k_cache/v_cache [num_blocks, block_size, Hkv, D];
+    block_tables int32 [B, max_blocks]; context_lens int32 [B], each >= 1 and counting the current token,
+    whose k/v must already be in the cache (see `append_kv`). Hq must be a multiple of Hkv (GQA).
+    Returns `out` [B, Hq, D] in q's dtype (allocated when None). `split_long` lets long sequences be
+    split across threads and merged exactly (log-sum-exp); results then differ from the unsplit ones
+    only by fp32 rounding.
+    """
+    num_blocks, block_size, hkv, d = _check_caches(k_cache, v_cache)
+    if d not in SUPPORTED_HEAD_DIMS:
+        raise KernelInputError(f"head_dim {d} is not supported; supported: {SUPPORTED_HEAD_DIMS}")
+    _check("q", q, 3, (k_cache.dtype, torch.float32))
+    b, hq, _ = q.shape
+    _check_shape("q", q, (b, hq, d))
+    if hq == 0 or hq % hkv:
+        raise KernelInputError(f"query heads ({hq}) must be a positive multiple of KV heads ({hkv})")
+    _check("block_tables", block_tables, 2, (torch.int32,))
+    max_blocks = block_tables.shape[1]
+    _check_shape("block_tables", block_tables, (b, max_blocks))
+    _check("context_lens", context_lens, 1, (torch.int32,))
+    _check_shape("context_lens", context_lens, (b,))
+    if out is None:
+        out = torch.empty_like(q)
+    else:
+        _check("out", out, 3, (q.dtype,))
+        _check_shape("out", out, tuple(q.shape))
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise KernelInputError(f"scale must be a finite float, got {scale!r}")
+    threads = _thread_count(num_threads)
+    if b == 0:
+        return out
+    _check_block_tables(block_tables, context_lens, block_size, num_blocks)
+
+    status = _library().neo_paged_attention(
+        q.data_ptr(), _DTYPE_CODES[q.dtype], k_cache.data_ptr(), v_cache.data_ptr(), _DTYPE_CODES[k_cache.dtype],
+        block_tables.data_ptr(), context_lens.data_ptr(), out.data_ptr(), b, hq, hkv, d, block_size, max_blocks,
+        float(scale), threads, int(bool(split_long)))
+    if status != 0:
+        raise KernelError(f"paged_decode_attention failed in the library: {_STATUS.get(status, status)}")
+    return out
+
+
+def _check_block_tables(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
+                        num_blocks: int) -> None:
+    """Context lengths fit the table, and every entry the kernel will read names an existing block."""
+    max_blocks = block_tables.shape[1]
+    lo, hi = int(context_lens.min()), int(context_lens.max())
+    if lo < 1:
+        raise KernelInputError(f"context_lens must be >= 1 (they include the current token); got {lo}")
+    if hi > max_blocks * block_size:
+        raise KernelInputError(f"context length {hi} exceeds the block table's capacity "
+                               f"({max_blocks} blocks x {block_size} tokens)")
+    used_blocks = (context_lens.to(torch.int64) + block_size - 1) // block_size
+    used = block_tables[torch.arange(max_blocks) < used_blocks[:, None]]
+    bad = (used < 0) | (used >= num_blocks)
+    if bool(bad.any()):
+        raise KernelInputError(f"block_tables holds block id {int(used[bad][0])} within a context, outside "
+                               f"the cache's [0, {num_blocks})")
+
+
+def append_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              slot_mapping: torch.Tensor) -> None:
+    """Writes each sequence's new token k/v [B, Hkv, D] at slot = block_id * block_size + offset."""
+    num_blocks, block_size, hkv, d = _check_caches(k_cache, v_cache)
+    _check("k", k, 3, (k_cache.dtype,))
+    b = k.shape[0]
+    _check_shape("k", k, (b, hkv, d))
+    _check("v", v, 3, (k_cache.dtype,))
+    _check_shape("v", v, (b, hkv, d))
+    _check("slot_mapping", slot_mapping, 1, (torch.int64,))
+    _check_shape("slot_mapping", slot_mapping, (b,))
+    if b == 0:
+        return
+    lo, hi = int(slot_mapping.min()), int(slot_mapping.max())
+    if lo < 0 or hi >= num_blocks * block_size:
+        raise KernelInputError(f"slot_mapping holds slot {lo if lo < 0 else hi}, outside the cache's "
+                               f"[0, {num_blocks * block_size})")
+    _library().neo_append_kv(k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                             slot_mapping.data_ptr(), b, hkv * d * k.element_size())
+
+
+def reference_paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                     block_tables: torch.Tensor, context_lens: torch.Tensor,
+                                     scale: float) -> torch.Tensor:
+    """Plain float64 torch version of `paged_decode_attention` (slow; for tests and the benchmark's check)."""
+    b, hq, d = q.shape
+    block_size, hkv = k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty(b, hq, d, dtype=torch.float64)
+    for i in range(b):
+        n = int(context_lens[i])
+        blocks = block_tables[i, :(n + block_size - 1) // block_size].long()
+        k = k_cache[blocks].reshape(-1, hkv, d)[:n].double()
+        v = v_cache[blocks].reshape(-1, hkv, d)[:n].double()
+        qi = q[i].double().view(hkv, hq // hkv, d)
+        p = torch.softmax(torch.einsum("hgd,thd->hgt", qi, k) * scale, dim=-1)
+        out[i] = torch.einsum("hgt,thd->hgd", p, v).reshape(hq, d)
+    return out
+
+
+def stream_read(buf: torch.Tensor, num_threads: int | None = None) -> float:
+    """Sums a float32 buffer with the kernels' threads and SIMD path: the memory-bandwidth yardstick."""
+    _check("buf", buf, 1, (torch.float32,))
+    return _library().neo_stream_read(buf.data_ptr(), buf.numel(), _thread_count(num_threads))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m neo_backend.cpu_attention", description=__doc__.split("\n")[0])
+    parser.add_argument("--build", action="store_true", help="compile the library (cached) and print its path")
+    parser.add_argument("--force", action="store_true", help="recompile even if a cached build exists")
+    args = parser.parse_args(argv)
+    if not args.build:
+        parser.error("nothing to do; pass --build")
+    path = build(force=args.force)
+    print(f"CPU attention library: {path} (SIMD path: {best_isa()}, threads: {get_num_threads()})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,245 @@
+"""LLMEngine: requests in, one scheduling + model step at a time, text deltas out."""
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+from .block_manager import BlockManager
+from .config import EngineConfig
+from .errors import InvalidRequestError
+from .loader import load_tokenizer, read_model_config, resolve_source
+from .model_runner import ModelRunner
+from .outputs import RequestMetrics, RequestOutput
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+from .sequence import Sequence, SequenceStatus
+from .tokenizer import IncrementalDetokenizer
+
+log = logging.getLogger("neo_backend")
+
+
+@dataclass
+class EngineCounters:
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    failures: dict[str, int] = field(default_factory=dict)
+
+    def fail(self, reason: str) -> None:
+        self.failures[reason] = self.failures.get(reason, 0) + 1
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self.config = config or EngineConfig()
+        source = resolve_source(self.config)
+        model_cfg = read_model_config(source)
+        self.model_config = model_cfg
+        self.tokenizer = load_tokenizer(source, self.config, model_cfg)
+        max_len = self.config.max_model_len or model_cfg.max_position_embeddings
+        self.runner = ModelRunner(self.config, model_cfg, source, max_len, self.tokenizer.eos_token_ids)
+        pool_tokens = self.runner.num_gpu_blocks * self.config.block_size
+        if max_len > pool_tokens:
+            log.warning("max_model_len %d exceeds the KV pool (%d tokens); capping it", max_len, pool_tokens)
+            max_len = pool_tokens
+        self.max_model_len = max_len
+        self.gpu_blocks = BlockManager(self.runner.num_gpu_blocks, self.config.block_size, "gpu")
+        self.scheduler = Scheduler(self.config, self.gpu_blocks)
+        self.counters = EngineCounters()
+        self._seqs: dict[str, Sequence] = {}
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        log.info("engine ready: max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d",
+                 self.max_model_len, self.config.max_num_seqs, self.config.max_num_batched_tokens)
+
+    # Requests ---------------------------------------------------------------------------------------------
+
+    def make_sequence(self, prompt: str | list[int], params: SamplingParams | Mapping[str, Any] | None = None,
+                      request_id: str | None = None) -> Sequence:
+        """Validate and tokenize a request without touching engine state (safe from any thread)."""
+        params = self._check_params(params)
+        text, token_ids = self._tokenize(prompt)
+        if len(token_ids) >= self.max_model_len:
+            raise InvalidRequestError(f"prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len} "
+                                      f"(prompt plus at least one output token must fit)")
+        return Sequence(request_id or uuid.uuid4().hex, text, token_ids, params)
+
+    def add_sequence(self, seq: Sequence) -> None:
+        if seq.request_id in self._seqs:
+            raise InvalidRequestError(f"request id {seq.request_id!r} is already in use")
+        self._seqs[seq.request_id] = seq
+        self._detokenizers[seq.request_id] = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids,
+                                                                    seq.params.stop)
+        self.scheduler.add(seq)
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | Mapping[str, Any] | None = None,
+                    request_id: str | None = None) -> str:
+        seq = self.make_sequence(prompt, params, request_id)
+        self.add_sequence(seq)
+        return seq.request_id
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            return None
+        return self._finish(seq, "abort")
+
+    def fail(self, request_id: str, message: str, reason: str = "error") -> RequestOutput | None:
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            return None
+        seq.error = message
+        self.counters.fail(reason)
+        return self._finish(seq, "error")
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._seqs)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._seqs)
+
+    def stats_snapshot(self) -> dict[str, Any]:
+        """Counters and gauges for logs, `--stats` and the Triton metrics."""
+        sched = self.scheduler
+        return {
+            "prompt_tokens": self.counters.prompt_tokens,
+            "generation_tokens": self.counters.generation_tokens,
+            "preemptions": sched.num_preemptions,
+            "failures": dict(self.counters.failures),
+            "requests_waiting": len(sched.waiting),
+            "requests_gpu_decode": len(sched.running),
+            "requests_cpu_decode": 0,
+            "gpu_blocks_used": self.gpu_blocks.num_used_blocks,
+            "gpu_blocks_total": self.gpu_blocks.num_blocks,
+        }
+
+    # Stepping ---------------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return []
+        now = time.monotonic()
+        for seq, _ in batch.scheduled():
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
+        sampled, result = self.runner.execute(batch)
+        for seq, n in batch.scheduled():
+            seq.num_computed_tokens += n
+        self.counters.prompt_tokens += sum(n for _, n in batch.prefills)
+        if result is None:
+            return []
+        outputs = []
+        now = time.monotonic()
+        for i, seq in enumerate(sampled):
+            top = result.top_logprobs[i]
+            logprob_entry = None if seq.params.logprobs is None else {result.token_ids[i]: result.logprobs[i], **(top or {})}
+            outputs.append(self._append_token(seq, result.token_ids[i], result.logprobs[i], logprob_entry, now))
+        return outputs
+
+    def generate(self, prompts: Iterable[str | list[int]], params: SamplingParams | Mapping[str, Any] | None = None
+                 ) -> list[RequestOutput]:
+        """Run prompts to completion; returns one merged output (whole text and tokens) per prompt, in order."""
+        ids = [self.add_request(p, params) for p in prompts]
+        merged = {i: RequestOutput(i, "", [], False, None, 0, 0, 0.0) for i in ids}
+        while self.has_unfinished_requests():
+            for out in self.step():
+                _merge(merged[out.request_id], out)
+        return [merged[i] for i in ids]
+
+    # Internals --------------------------------------------------------------------------------------------
+
+    def _append_token(self, seq: Sequence, token: int, logprob: float, logprob_entry, now: float) -> RequestOutput:
+        seq.token_ids.append(token)
+        seq.cumulative_logprob += logprob
+        seq.first_token_time = seq.first_token_time or now
+        self.counters.generation_tokens += 1
+        detok = self._detokenizers[seq.request_id]
+        detok.add_token(token, check_stop=seq.num_output_tokens >= seq.params.min_tokens)
+        reason = self._finish_reason(seq, token, detok)
+        if reason:
+            out = self._finish(seq, reason)
+            out.token_ids = [token]
+        else:
+            out = self._output(seq, detok.take_delta(final=False), [token])
+        out.logprobs = None if logprob_entry is None else [logprob_entry]
+        return out
+
+    def _finish_reason(self, seq: Sequence, token: int, detok: IncrementalDetokenizer) -> str | None:
+        p = seq.params
+        if (not p.ignore_eos and token in self.tokenizer.eos_token_ids) or token in p.stop_token_ids or detok.stopped:
+            return "stop"
+        if seq.num_output_tokens >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, seq: Sequence, reason: str) -> RequestOutput:
+        self.scheduler.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.finish_time = time.monotonic()
+        detok = self._detokenizers.pop(seq.request_id)
+        del self._seqs[seq.request_id]
+        out = self._output(seq, detok.take_delta(final=True) if reason != "error" else "", [])
+        out.metrics = RequestMetrics(seq.arrival_time, seq.first_scheduled_time, seq.first_token_time,
+                                     seq.finish_time, seq.num_output_tokens)
+        return out
+
+    def _output(self, seq: Sequence, text: str, token_ids: list[int]) -> RequestOutput:
+        return RequestOutput(seq.request_id, text, token_ids, seq.finished, seq.finish_reason, seq.num_prompt_tokens,
+                             seq.num_output_tokens, seq.cumulative_logprob, error=seq.error)
+
+    def _check_params(self, params: SamplingParams | Mapping[str, Any] | None) -> SamplingParams:
+        if params is None:
+            params = SamplingParams()
+        elif isinstance(params, Mapping):
+            params = SamplingParams.from_dict(params)
+        elif not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"sampling parameters must be a mapping, got {type(params).__name__}")
+        cfg = self.config
+        limits = [
+            (params.max_tokens <= cfg.max_tokens_cap, f"max_tokens {params.max_tokens} exceeds the server's limit "
+                                                     f"{cfg.max_tokens_cap}"),
+            (len(params.stop) <= cfg.max_stop_strings, f"{len(params.stop)} stop strings exceed the server's limit "
+                                                       f"{cfg.max_stop_strings}"),
+            (all(len(s) <= cfg.max_stop_string_len for s in params.stop),
+             f"a stop string is longer than the server's limit {cfg.max_stop_string_len}"),
+            ((params.logprobs or 0) <= cfg.max_logprobs, f"logprobs {params.logprobs} exceeds the server's limit "
+                                                         f"{cfg.max_logprobs}"),
+        ]
+        for ok, message in limits:
+            if not ok:
+                raise InvalidRequestError(message)
+        return params
+
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt is empty")
+            if len(prompt.encode("utf-8", "surrogatepass")) > self.config.max_prompt_bytes:
+                raise InvalidRequestError(f"prompt exceeds the server's limit of {self.config.max_prompt_bytes} bytes")
+            token_ids = self.tokenizer.encode(prompt)
+            if not token_ids:
+                raise InvalidRequestError("prompt encodes to no tokens")
+            return prompt, token_ids
+        if isinstance(prompt, (list, tuple)) and prompt and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            vocab = self.model_config.vocab_size
+            bad = [t for t in prompt if not 0 <= t < vocab]
+            if bad:
+                raise InvalidRequestError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+            return None, list(prompt)
+        raise InvalidRequestError("prompt must be a non-empty string or a non-empty list of token ids")
+
+
+def _merge(into: RequestOutput, out: RequestOutput) -> None:
+    into.text += out.text
+    into.token_ids += out.token_ids
+    into.finished, into.finish_reason, into.error = out.finished, out.finish_reason, out.error
+    into.num_prompt_tokens, into.num_output_tokens = out.num_prompt_tokens, out.num_output_tokens
+    into.cumulative_logprob = out.cumulative_logprob
+    if out.logprobs:
+        into.logprobs = (into.logprobs or []) + out.logprobs
+    into.metrics = out.metrics or into.metrics

@@ -1,0 +1,100 @@
+"""Paged attention over the device KV pool.
+
+One step's tokens are laid out as [prefill chunks | device decodes | host decodes]. Each token's k/v is
+written into the paged pool at its slot; prefill chunks attend causally to their sequence's cached prefix
+plus themselves; device decodes use the paged decode kernel (fused Triton kernel on CUDA, a gather + SDPA
+reference elsewhere); host decodes (NEO's CPU-requests) are handed to `AttentionMetadata.host_attention`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from . import paged_decode
+
+
+@dataclass
+class PrefillChunk:
+    token_start: int        # offset of the chunk in the step's flat token list
+    num_tokens: int
+    context_start: int      # tokens of this sequence already in the cache before the chunk
+    block_table: torch.Tensor  # int32 [num_blocks] on the device
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor                 # int64 [num_device_tokens]: pool slot of each device token's k/v
+    prefills: list[PrefillChunk]
+    num_prefill_tokens: int
+    decode_block_tables: torch.Tensor          # int32 [num_decodes, max_blocks]
+    decode_context_lens: torch.Tensor          # int32 [num_decodes], including the new token
+    num_host_decodes: int = 0
+    # (layer index, q, k, v) -> output, for the host decodes at the end of the batch (NEO offload).
+    host_attention: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    host_layer_state: dict = field(default_factory=dict)
+
+    @property
+    def num_decodes(self) -> int:
+        return self.decode_context_lens.numel()
+
+    @property
+    def num_device_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decodes
+
+
+class PagedAttention(torch.nn.Module):
+    def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim ** -0.5
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
+        num_dev = meta.num_device_tokens
+        out = torch.empty_like(q)
+        if num_dev:
+            self._store(k[:num_dev], v[:num_dev], meta.slot_mapping)
+        for chunk in meta.prefills:
+            span = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
+            out[span] = self._prefill(q[span], k[span], v[span], chunk)
+        if meta.num_decodes:
+            span = slice(meta.num_prefill_tokens, num_dev)
+            out[span] = paged_decode.decode_attention(
+                q[span], self.k_cache, self.v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale)
+        if meta.num_host_decodes:
+            out[num_dev:] = meta.host_attention(self.layer_idx, q[num_dev:], k[num_dev:], v[num_dev:])
+        return out
+
+    def _store(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        flat_k = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)
+        flat_v = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
+        flat_k.index_copy_(0, slot_mapping, k)
+        flat_v.index_copy_(0, slot_mapping, v)
+
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: PrefillChunk) -> torch.Tensor:
+        if chunk.context_start == 0:
+            return _sdpa(q, k, v, mask=None, scale=self.scale)
+        total = chunk.context_start + chunk.num_tokens
+        block_size = self.k_cache.shape[1]
+        blocks = chunk.block_table[: (total + block_size - 1) // block_size].long()
+        k_all = self.k_cache[blocks].flatten(0, 1)[:total]
+        v_all = self.v_cache[blocks].flatten(0, 1)[:total]
+        rows = torch.arange(chunk.num_tokens, device=q.device).unsqueeze(1) + chunk.context_start
+        mask = torch.arange(total, device=q.device).unsqueeze(0) <= rows
+        return _sdpa(q, k_all, v_all, mask=mask, scale=self.scale)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """Causal (mask=None) or masked attention of one sequence: q [Tq, Hq, D], k/v [Tk, Hkv, D]."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+        attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    return out.transpose(0, 1)

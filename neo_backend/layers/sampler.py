@@ -1,0 +1,111 @@
+"""Per-request sampling over a batch of logits: penalties, min_tokens, temperature, top-k, top-p, seeds."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..sequence import Sequence
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[float]                        # of each sampled token, under the model's raw distribution
+    top_logprobs: list[dict[int, float] | None]  # the N most likely tokens, where a request asked for them
+
+
+class Sampler:
+    def __init__(self, eos_token_ids: tuple[int, ...], seed: int) -> None:
+        self.eos_token_ids = eos_token_ids
+        self.default_generator: torch.Generator | None = None
+        self.seed = seed
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
+        raw_logprobs = torch.log_softmax(logits, dim=-1)
+        logits = self._apply_penalties(logits, seqs)
+        logits = self._apply_min_tokens(logits, seqs)
+        tokens = self._sample(logits, seqs)
+        token_list = tokens.tolist()
+        chosen = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+        tops: list[dict[int, float] | None] = []
+        for row, seq in enumerate(seqs):
+            n = seq.params.logprobs
+            if n:
+                values, ids = raw_logprobs[row].topk(n)
+                tops.append(dict(zip(ids.tolist(), values.tolist())))
+            else:
+                tops.append(None)
+        return SampleResult(token_list, chosen, tops)
+
+    def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        rows = [i for i, s in enumerate(seqs) if s.params.repetition_penalty != 1.0
+                or s.params.presence_penalty or s.params.frequency_penalty]
+        if not rows:
+            return logits
+        logits = logits.clone()
+        for i in rows:
+            p = seqs[i].params
+            if p.repetition_penalty != 1.0:
+                seen = torch.tensor(sorted(set(seqs[i].token_ids)), device=logits.device, dtype=torch.long)
+                vals = logits[i, seen]
+                logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+            outputs = seqs[i].output_token_ids
+            if outputs and (p.presence_penalty or p.frequency_penalty):
+                counts = torch.bincount(torch.tensor(outputs, device=logits.device), minlength=logits.shape[1])
+                counts = counts[: logits.shape[1]].to(logits.dtype)
+                logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+        return logits
+
+    def _apply_min_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        rows = [i for i, s in enumerate(seqs) if s.num_output_tokens < s.params.min_tokens]
+        if not rows:
+            return logits
+        logits = logits.clone()
+        vocab = logits.shape[1]
+        for i in rows:
+            banned = [t for t in (*self.eos_token_ids, *seqs[i].params.stop_token_ids) if t < vocab]
+            logits[i, banned] = float("-inf")
+        return logits
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        greedy = logits.argmax(dim=-1)
+        if all(s.params.greedy for s in seqs):
+            return greedy
+        temps = torch.tensor([s.params.temperature or 1.0 for s in seqs], device=logits.device)
+        probs = self._filter(logits / temps.unsqueeze(1), seqs).softmax(dim=-1)
+        noise = self._exponential_noise(probs, seqs)
+        sampled = (probs / noise).argmax(dim=-1)
+        is_greedy = torch.tensor([s.params.greedy for s in seqs], device=logits.device)
+        return torch.where(is_greedy, greedy, sampled)
+
+    @staticmethod
+    def _filter(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        top_ks = [s.params.top_k for s in seqs]
+        top_ps = [s.params.top_p for s in seqs]
+        if any(top_ks):
+            vocab = logits.shape[1]
+            k = torch.tensor([min(k, vocab) if k else vocab for k in top_ks], device=logits.device)
+            kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1).unsqueeze(1))
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if any(p < 1.0 for p in top_ps):
+            p = torch.tensor(top_ps, device=logits.device).unsqueeze(1)
+            sorted_logits, order = logits.sort(dim=-1, descending=True)
+            cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+            drop_sorted = (cumulative - sorted_logits.softmax(dim=-1)) >= p  # keep the token that crosses p
+            drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+            logits = logits.masked_fill(drop, float("-inf"))
+        return logits
+
+    def _exponential_noise(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Exp(1) noise per row; `argmax(p / noise)` is a sample from p. Seeded requests draw from their own
+        generator, so their samples depend only on their seed and step, not on batch neighbours."""
+        if self.default_generator is None or self.default_generator.device != probs.device:
+            self.default_generator = torch.Generator(device=probs.device).manual_seed(self.seed)
+        noise = torch.empty_like(probs).exponential_(generator=self.default_generator)
+        for row, seq in enumerate(seqs):
+            if seq.params.seed is not None and not seq.params.greedy:
+                if seq.generator is None:
+                    seq.generator = torch.Generator(device=probs.device).manual_seed(seq.params.seed)
+                noise[row].exponential_(generator=seq.generator)
+        return noise

@@ -1,0 +1,132 @@
+"""Llama-family decoder. Parameter names follow Hugging Face's, with q/k/v and gate/up fused at load time."""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from ..layers.attention import AttentionMetadata, PagedAttention
+from ..layers.norm import RMSNorm
+from ..layers.rotary import RotaryEmbedding
+
+# HF name suffix -> (fused parameter suffix, shard index)
+_FUSED = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+
+
+class DecoderLayer(nn.Module):
+    """A pre-norm decoder layer, split around attention so an executor can interleave sub-batches."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.rotary = rotary
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.attn = PagedAttention(layer_idx, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def attention_inputs(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None):
+        if residual is None:
+            residual = hidden
+            x = self.input_layernorm(hidden)
+        else:
+            x, residual = self.input_layernorm(hidden, residual)
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        return q, k, v, residual
+
+    def attention_outputs(self, attn_out: torch.Tensor, residual: torch.Tensor):
+        hidden, residual = self.post_attention_layernorm(self.o_proj(attn_out.flatten(1)), residual)
+        gate, up = self.gate_up_proj(hidden).chunk(2, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up), residual
+
+    def forward(self, positions, hidden, residual, meta: AttentionMetadata):
+        q, k, v, residual = self.attention_inputs(positions, hidden, residual)
+        return self.attention_outputs(self.attn(q, k, v, meta), residual)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_position: int) -> None:
+        super().__init__()
+        self.config = cfg
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.rotary) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, meta)
+        return self.norm(hidden, residual)[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return nn.functional.linear(hidden, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in, fusing q/k/v and gate/up; every parameter must be written exactly once."""
+        params = dict(self.named_parameters())
+        expected = {name: 1 for name in params}
+        for name in params:
+            if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
+                expected[name] = 3
+            elif name.endswith("gate_up_proj.weight"):
+                expected[name] = 2
+        written = dict.fromkeys(params, 0)
+        for hf_name, tensor in weights:
+            name, shard = self._param_name(hf_name)
+            if name is None:
+                continue
+            if name not in params:
+                raise KeyError(f"checkpoint tensor {hf_name} has no place in the model")
+            self._copy(params[name], tensor, self._shard_span(name, shard))
+            written[name] += 1
+        missing = [n for n, count in written.items() if count != expected[n]]
+        if missing:
+            raise KeyError(f"checkpoint lacks tensors for: {', '.join(missing[:8])}")
+
+    def _param_name(self, hf_name: str) -> tuple[str | None, int | None]:
+        if "rotary_emb" in hf_name:
+            return None, None
+        name = hf_name.removeprefix("model.").replace("self_attn.", "").replace("mlp.", "")
+        if name == "lm_head.weight" and self.lm_head is None:
+            return None, None
+        parts = name.split(".")
+        if len(parts) >= 2 and parts[-2] in _FUSED:
+            fused, shard = _FUSED[parts[-2]]
+            return ".".join(parts[:-2] + [fused, parts[-1]]), shard
+        return name, None
+
+    def _shard_span(self, name: str, shard: int | None) -> tuple[int, int] | None:
+        """(offset, rows) of a q/k/v or gate/up shard inside its fused parameter."""
+        if shard is None:
+            return None
+        cfg = self.config
+        if "qkv_proj" in name:
+            q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+            sizes = [q, kv, kv]
+        else:
+            sizes = [cfg.intermediate_size] * 2
+        return sum(sizes[:shard]), sizes[shard]
+
+    @staticmethod
+    def _copy(param: nn.Parameter, tensor: torch.Tensor, span: tuple[int, int] | None) -> None:
+        target = param.data if span is None else param.data.narrow(0, *span)
+        if target.shape != tensor.shape:
+            raise ValueError(f"shape mismatch: checkpoint {tuple(tensor.shape)} vs model {tuple(target.shape)}")
+        target.copy_(tensor)
