@@ -1,0 +1,130 @@
+"""Greedy generation, continuous batching, preemption, sampling, stop strings and streaming text."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from neo_backend import EngineConfig, LLMEngine
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+
+
+def test_greedy_matches_transformers_generate(smollm_engine, hf_smollm):
+    n = 24
+    for prompt in PROMPTS:
+        ids = smollm_engine.tokenizer.encode(prompt)
+        ours = smollm_engine.generate([ids], {"max_tokens": n, "min_tokens": n, "temperature": 0})[0]
+        with torch.no_grad():
+            ref = hf_smollm.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                     eos_token_id=list(smollm_engine.tokenizer.eos_token_ids), pad_token_id=0)
+        assert ours.token_ids == ref[0, len(ids):].tolist(), prompt
+
+
+def _mixed_requests(num: int, seed: int) -> tuple[list[list[int]], list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, 500, (int(torch.randint(3, 90, (1,), generator=gen)),), generator=gen).tolist()
+               for _ in range(num)]
+    max_tokens = [int(torch.randint(1, 24, (1,), generator=gen)) for _ in range(num)]
+    return prompts, max_tokens
+
+
+def _collect(engine: LLMEngine, prompts, max_tokens, stagger: bool) -> list[list[int]]:
+    tokens: dict[str, list[int]] = {}
+    order = []
+    step = 0
+    pending = list(range(len(prompts)))
+    while pending or engine.has_unfinished_requests():
+        while pending and (not stagger or step >= 2 * pending[0]):
+            i = pending.pop(0)
+            rid = engine.add_request(prompts[i], {"max_tokens": max_tokens[i], "temperature": 0, "ignore_eos": True})
+            tokens[rid] = []
+            order.append(rid)
+        for out in engine.step():
+            tokens[out.request_id] += out.token_ids
+        step += 1
+        assert step < 5000, "engine made no progress"
+    return [tokens[rid] for rid in order]
+
+
+@pytest.mark.parametrize("num_blocks", [256, 12])
+def test_staggered_batch_equals_each_alone(tiny_model_dirs, num_blocks):
+    prompts, max_tokens = _mixed_requests(16, seed=3)
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dirs["llama3"]), num_gpu_blocks=num_blocks, block_size=8,
+                                    max_num_batched_tokens=64))
+    together = _collect(engine, prompts, max_tokens, stagger=True)
+    if num_blocks == 12:
+        assert engine.scheduler.num_preemptions > 0
+    assert engine.gpu_blocks.num_free_blocks == num_blocks
+    alone = [_collect(engine, [p], [m], stagger=False)[0] for p, m in zip(prompts, max_tokens)]
+    assert together == alone
+    assert all(len(t) == m for t, m in zip(together, max_tokens))
+
+
+def test_smollm_batch_with_preemption_equals_alone():
+    engine = LLMEngine(EngineConfig(num_gpu_blocks=8, max_num_batched_tokens=64))
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS * 2]
+    max_tokens = [20, 12, 28, 9, 16, 24]
+    together = _collect(engine, prompts, max_tokens, stagger=True)
+    assert engine.scheduler.num_preemptions > 0
+    alone = [_collect(engine, [p], [m], stagger=False)[0] for p, m in zip(prompts, max_tokens)]
+    assert together == alone
+    assert engine.gpu_blocks.num_free_blocks == 8
+
+
+def test_seeded_sampling_reproduces(smollm_engine):
+    params = {"max_tokens": 16, "temperature": 0.9, "top_p": 0.95, "top_k": 50, "seed": 1234}
+    first = smollm_engine.generate(["Tell me a story about"], params)[0]
+    batched = smollm_engine.generate(["Some other prompt", "Tell me a story about"], params)[1]
+    other = smollm_engine.generate(["Tell me a story about"], {**params, "seed": 99})[0]
+    assert first.token_ids == batched.token_ids
+    assert first.token_ids != other.token_ids
+
+
+def test_stop_string_cuts_exactly(smollm_engine):
+    free = smollm_engine.generate(["The capital of France is"], {"max_tokens": 12, "temperature": 0})[0]
+    assert "." in free.text
+    stop = free.text[free.text.index(".") - 2: free.text.index(".") + 1]
+    cut = smollm_engine.generate(["The capital of France is"], {"max_tokens": 12, "temperature": 0,
+                                                                "stop": [stop]})[0]
+    assert cut.finish_reason == "stop"
+    assert cut.text == free.text[: free.text.index(stop)]
+
+
+def test_streamed_deltas_never_split_utf8_or_leak_stop(smollm_engine):
+    prompt = "Translate to Chinese and Japanese with emoji: I love my cat 🐱. 我爱我的猫"
+    rid = smollm_engine.add_request(prompt, {"max_tokens": 40, "temperature": 0.8, "seed": 5, "stop": ["猫猫猫"]})
+    deltas, tokens = [], []
+    while smollm_engine.has_unfinished_requests():
+        for out in smollm_engine.step():
+            assert out.request_id == rid
+            deltas.append(out.text)
+            tokens += out.token_ids
+    assert all("\ufffd" not in d for d in deltas[:-1])
+    full = smollm_engine.tokenizer.decode(tokens)
+    assert "".join(deltas) == full.split("猫猫猫")[0]
+    assert any(ord(c) > 127 for c in "".join(deltas)), "prompt should elicit non-ASCII text"
+
+
+def test_finish_reasons_and_logprobs(smollm_engine):
+    out = smollm_engine.generate(["Hello"], {"max_tokens": 3, "temperature": 0, "logprobs": 2})[0]
+    assert out.finish_reason == "length" and out.num_output_tokens == 3
+    assert len(out.logprobs) == 3
+    for token, entry in zip(out.token_ids, out.logprobs):
+        assert token in entry and len(entry) <= 3
+        assert entry[token] == max(entry.values())  # greedy picks the most likely token
+    assert out.cumulative_logprob == pytest.approx(sum(e[t] for t, e in zip(out.token_ids, out.logprobs)), abs=1e-4)
+    rid = smollm_engine.add_request("Hello", {"max_tokens": 50})
+    aborted = smollm_engine.abort(rid)
+    assert aborted.finished and aborted.finish_reason == "abort"
+    assert not smollm_engine.has_unfinished_requests()
+
+
+def test_cli_generate_prints_paris():
+    proc = subprocess.run([sys.executable, "-m", "neo_backend", "generate", "--prompt", "The capital of France is",
+                           "--max-tokens", "8", "--temperature", "0", "--num-gpu-blocks", "64"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout
