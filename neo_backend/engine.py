@@ -7,12 +7,14 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
+from . import cpu_attention
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .errors import InvalidRequestError
 from .loader import load_tokenizer, read_model_config, resolve_source
 from .model_runner import ModelRunner
 from .outputs import RequestMetrics, RequestOutput
+from .profiler import load_or_profile
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence, SequenceStatus
@@ -25,7 +27,10 @@ log = logging.getLogger("neo_backend")
 class EngineCounters:
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    cpu_decode_tokens: int = 0
+    modes: dict[str, int] = field(default_factory=dict)
     failures: dict[str, int] = field(default_factory=dict)
+    last_iteration: dict[str, Any] = field(default_factory=dict)
 
     def fail(self, reason: str) -> None:
         self.failures[reason] = self.failures.get(reason, 0) + 1
@@ -46,7 +51,15 @@ class LLMEngine:
             max_len = pool_tokens
         self.max_model_len = max_len
         self.gpu_blocks = BlockManager(self.runner.num_gpu_blocks, self.config.block_size, "gpu")
-        self.scheduler = Scheduler(self.config, self.gpu_blocks)
+        self.cpu_blocks = BlockManager(self.runner.num_cpu_blocks, self.config.block_size, "cpu")
+        self.perf_model = None
+        if self.runner.host_cache is not None:
+            self.perf_model = load_or_profile(self.runner, self.runner.host_cache, cpu_attention.get_num_threads())
+        self.scheduler = Scheduler(self.config, self.gpu_blocks, self.cpu_blocks, self.runner.swapper,
+                                   self.perf_model)
+        log.info("offload policy %s, pipeline %s, host KV %d blocks, CPU attention threads %d",
+                 self.scheduler.policy, self.config.pipeline, self.cpu_blocks.num_blocks,
+                 cpu_attention.get_num_threads())
         self.counters = EngineCounters()
         self._seqs: dict[str, Sequence] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -110,9 +123,17 @@ class LLMEngine:
             "failures": dict(self.counters.failures),
             "requests_waiting": len(sched.waiting),
             "requests_gpu_decode": len(sched.running),
-            "requests_cpu_decode": 0,
+            "requests_cpu_decode": len(sched.cpu_running),
             "gpu_blocks_used": self.gpu_blocks.num_used_blocks,
             "gpu_blocks_total": self.gpu_blocks.num_blocks,
+            "cpu_blocks_used": self.cpu_blocks.num_used_blocks,
+            "cpu_blocks_total": self.cpu_blocks.num_blocks,
+            "swap_out_blocks": sched.swap_out_blocks,
+            "swap_in_blocks": sched.swap_in_blocks,
+            "cpu_decode_tokens": self.counters.cpu_decode_tokens,
+            "modes": dict(self.counters.modes),
+            "cpu_correction": round(self.perf_model.cpu_correction, 3) if self.perf_model else None,
+            "last_iteration": self.counters.last_iteration,
         }
 
     # Stepping ---------------------------------------------------------------------------------------------
@@ -125,10 +146,13 @@ class LLMEngine:
         for seq, _ in batch.scheduled():
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
+        host = self.runner.host_attention
+        host_seconds_before = host.seconds if host else 0.0
         sampled, result = self.runner.execute(batch)
         for seq, n in batch.scheduled():
             seq.num_computed_tokens += n
-        self.counters.prompt_tokens += sum(n for _, n in batch.prefills)
+        self.scheduler.offload(batch.offload_after_step)
+        self._record_iteration(batch, now, (host.seconds if host else 0.0) - host_seconds_before)
         if result is None:
             return []
         outputs = []
@@ -150,6 +174,19 @@ class LLMEngine:
         return [merged[i] for i in ids]
 
     # Internals --------------------------------------------------------------------------------------------
+
+    def _record_iteration(self, batch, start: float, host_seconds: float) -> None:
+        c = self.counters
+        c.prompt_tokens += batch.num_prefill_tokens
+        c.cpu_decode_tokens += len(batch.cpu_decodes)
+        c.modes[batch.mode] = c.modes.get(batch.mode, 0) + 1
+        if self.perf_model is not None and batch.cpu_decodes:
+            self.perf_model.observe_cpu(batch.predicted_cpu_time, host_seconds)
+        c.last_iteration = {
+            "mode": batch.mode, "prefill_tokens": batch.num_prefill_tokens, "gpu_decodes": len(batch.gpu_decodes),
+            "cpu_decodes": len(batch.cpu_decodes), "split": batch.split if batch.pipelined else None,
+            "predicted_s": round(batch.predicted_time, 6), "measured_s": round(time.monotonic() - start, 6),
+            "predicted_cpu_s": round(batch.predicted_cpu_time, 6), "measured_cpu_s": round(host_seconds, 6)}
 
     def _append_token(self, seq: Sequence, token: int, logprob: float, logprob_entry, now: float) -> RequestOutput:
         seq.token_ids.append(token)

@@ -2,14 +2,17 @@
 from __future__ import annotations
 
 import logging
-import os
+from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from .config import EngineConfig, ModelConfig
+from .host_kv import BlockSwapper, HostAttention, HostDecodeBatch, HostKVCache, host_available_bytes
 from .layers.attention import AttentionMetadata, PrefillChunk
 from .layers.sampler import SampleResult, Sampler
 from .loader import ModelSource, load_model
+from .pipeline import PipelinedExecutor, SubBatch
 from .scheduler import SchedulerOutput
 from .sequence import Sequence
 
@@ -48,6 +51,22 @@ class ModelRunner:
         self.k_caches, self.v_caches = self._allocate_kv(self.num_gpu_blocks)
         log.info("device KV pool: %d blocks x %d tokens (%.2f GiB, %s on %s)", self.num_gpu_blocks,
                  self.block_size, self.num_gpu_blocks * self.block_bytes / 2 ** 30, self.dtype, self.device)
+        self.host_cache: HostKVCache | None = None
+        self.swapper: BlockSwapper | None = None
+        self.host_attention: HostAttention | None = None
+        self.pipeline: PipelinedExecutor | None = None
+        num_cpu_blocks = int(config.cpu_kv_cache_gb * 2 ** 30) // self.block_bytes
+        if config.offload_policy != "never" and num_cpu_blocks > 0:
+            self.host_cache = HostKVCache(model_cfg, num_cpu_blocks, self.block_size, self.dtype,
+                                          pin=self.device.type == "cuda")
+            self.swapper = BlockSwapper(self.k_caches, self.v_caches, self.host_cache, self.device)
+            self.host_attention = HostAttention(self.host_cache, model_cfg.head_dim ** -0.5, self.device,
+                                                config.cpu_attention_threads)
+            self.pipeline = PipelinedExecutor(self.host_attention)
+
+    @property
+    def num_cpu_blocks(self) -> int:
+        return self.host_cache.num_blocks if self.host_cache else 0
 
     @property
     def block_bytes(self) -> int:
@@ -66,7 +85,7 @@ class ModelRunner:
     def _profile_num_blocks(self) -> int:
         """KV blocks that fit the memory budget after weights and the peak activation of a full batch."""
         if self.device.type != "cuda":
-            available = _host_available_bytes()
+            available = host_available_bytes()
             budget = min(CPU_DEVICE_KV_BUDGET_BYTES, available // 4)
             return max(1, budget // self.block_bytes)
         log.info("profiling device memory with a %d-token batch", self.config.max_num_batched_tokens)
@@ -102,18 +121,30 @@ class ModelRunner:
         return budget // self.block_bytes
 
     @torch.inference_mode()
-    def execute(self, batch: SchedulerOutput, meta_hook=None) -> tuple[list[Sequence], SampleResult | None]:
+    def execute(self, batch: SchedulerOutput) -> tuple[list[Sequence], SampleResult | None]:
         """Run one step; returns the sequences that sampled a token, and their samples."""
-        input_ids, positions, meta, sample_rows, sample_seqs = self.prepare(batch)
-        if meta_hook is not None:
-            meta_hook(meta)
-        hidden = self.model(input_ids, positions, meta)
+        if self.swapper is not None:
+            self.swapper.wait_swap_in()
+        if batch.pipelined:
+            split = batch.split
+            subs = [self.prepare(batch.prefills, batch.gpu_decodes, batch.cpu_decodes[:split]),
+                    self.prepare([], [], batch.cpu_decodes[split:])]
+            hiddens = self.pipeline.run(self.model, [s.sub for s in subs])
+            hidden = torch.cat([h[s.sample_rows] for h, s in zip(hiddens, subs)])
+            sample_seqs = subs[0].sample_seqs + subs[1].sample_seqs
+        else:
+            step = self.prepare(batch.prefills, batch.gpu_decodes, batch.cpu_decodes)
+            if step.sub.host_batch is not None:
+                step.sub.meta.host_attention = partial(self.host_attention, batch=step.sub.host_batch)
+            hidden = self.model(step.sub.input_ids, step.sub.positions, step.sub.meta)[step.sample_rows]
+            sample_seqs = step.sample_seqs
         if not sample_seqs:
             return [], None
-        logits = self.model.compute_logits(hidden[sample_rows])
-        return sample_seqs, self.sampler(logits, sample_seqs)
+        return sample_seqs, self.sampler(self.model.compute_logits(hidden), sample_seqs)
 
-    def prepare(self, batch: SchedulerOutput):
+    def prepare(self, prefills: list[tuple[Sequence, int]], gpu_decodes: list[Sequence],
+                cpu_decodes: list[Sequence]) -> PreparedStep:
+        """Flatten one (sub-)batch into tensors: tokens laid out as [prefill chunks | GPU decodes | CPU decodes]."""
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
@@ -121,50 +152,53 @@ class ModelRunner:
         chunks: list[PrefillChunk] = []
         sample_rows: list[int] = []
         sample_seqs: list[Sequence] = []
-        for seq, n in batch.prefills:
+        for seq, n in prefills:
             start = seq.num_computed_tokens
             chunks.append(PrefillChunk(len(ids), n, start, self._tensor(seq.block_table, torch.int32)))
             ids.extend(seq.token_ids[start:start + n])
             pos.extend(range(start, start + n))
-            slots.extend(seq.block_table[p // bs] * bs + p % bs for p in range(start, start + n))
+            slots.extend(_slot(seq, p, bs) for p in range(start, start + n))
             if start + n == len(seq.token_ids):
                 sample_rows.append(len(ids) - 1)
                 sample_seqs.append(seq)
         num_prefill = len(ids)
-        for seq in batch.gpu_decodes:
-            p = len(seq.token_ids) - 1
-            ids.append(seq.token_ids[-1])
-            pos.append(p)
-            slots.append(seq.block_table[p // bs] * bs + p % bs)
-        for seq in batch.cpu_decodes:
+        decodes = gpu_decodes + cpu_decodes
+        for seq in decodes:
             ids.append(seq.token_ids[-1])
             pos.append(len(seq.token_ids) - 1)
-        decodes = batch.gpu_decodes + batch.cpu_decodes
+        slots.extend(_slot(seq, len(seq.token_ids) - 1, bs) for seq in gpu_decodes)
         sample_rows.extend(range(num_prefill, num_prefill + len(decodes)))
         sample_seqs.extend(decodes)
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots, torch.long), prefills=chunks, num_prefill_tokens=num_prefill,
-            decode_block_tables=self._block_tables(batch.gpu_decodes),
-            decode_context_lens=self._tensor([len(s.token_ids) for s in batch.gpu_decodes], torch.int32),
-            num_host_decodes=len(batch.cpu_decodes))
-        return (self._tensor(ids, torch.long), self._tensor(pos, torch.long), meta,
-                self._tensor(sample_rows, torch.long), sample_seqs)
+            decode_block_tables=self._block_tables(gpu_decodes, self.device),
+            decode_context_lens=self._tensor([len(s.token_ids) for s in gpu_decodes], torch.int32),
+            num_host_decodes=len(cpu_decodes))
+        host_batch = None
+        if cpu_decodes:
+            host_batch = HostDecodeBatch(
+                block_tables=self._block_tables(cpu_decodes, torch.device("cpu")),
+                context_lens=torch.tensor([len(s.token_ids) for s in cpu_decodes], dtype=torch.int32),
+                slots=torch.tensor([_slot(s, len(s.token_ids) - 1, bs) for s in cpu_decodes], dtype=torch.long))
+        sub = SubBatch(self._tensor(ids, torch.long), self._tensor(pos, torch.long), meta, host_batch)
+        return PreparedStep(sub, self._tensor(sample_rows, torch.long), sample_seqs)
 
-    def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
+    @staticmethod
+    def _block_tables(seqs: list[Sequence], device: torch.device) -> torch.Tensor:
         width = max((len(s.block_table) for s in seqs), default=1)
         rows = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
-        return self._tensor(rows, torch.int32).view(len(seqs), width)
+        return torch.tensor(rows, dtype=torch.int32).view(len(seqs), width).to(device, non_blocking=True)
 
     def _tensor(self, values, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
 
-def _host_available_bytes() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+def _slot(seq: Sequence, position: int, block_size: int) -> int:
+    return seq.block_table[position // block_size] * block_size + position % block_size
+
+
+@dataclass
+class PreparedStep:
+    sub: SubBatch
+    sample_rows: torch.Tensor
+    sample_seqs: list[Sequence]

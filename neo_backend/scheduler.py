@@ -1,9 +1,17 @@
-"""Continuous batching: which requests run this iteration, and how many of their tokens.
+"""Continuous batching with NEO's CPU offload: which requests run this iteration, where, and how.
 
-Every iteration the running requests go first (decodes take one token, unfinished prefills continue in
-chunks), then waiting requests are admitted while the token budget, `max_num_seqs` and free KV blocks allow;
-the last admitted prompt may be chunked. When the pool cannot hold the next tokens, the newest running
-request is preempted by recompute: its blocks are freed and it returns to the front of the waiting queue.
+Three queues: `waiting` (prefill), `running` (KV on the device: prefill chunks and GPU decodes) and
+`cpu_running` (KV in the host pool: CPU decodes). Every iteration:
+1. swap-in (policy auto): CPU-requests return to the device while it has room and nothing waits;
+2. room for admission: when the next prompt does not fit on the device, the newest GPU decodes are swapped
+   out to the host pool (never a request swapped in this iteration);
+3. running GPU requests get their tokens; on a shortage the newest is swapped out, or preempted by
+   recompute when the host pool cannot take it (or the policy is `never`);
+4. CPU-requests grow in the host pool (preempted by recompute on a shortage);
+5. waiting prompts are admitted within the token budget and `max_num_seqs`; a finished prefill is moved to
+   the host pool after the step when the policy is `always`, or under `auto` when the device is nearly full;
+6. the performance model picks the CPU decodes that fit the latency bound (auto: the GPU part's predicted
+   time times `LATENCY_SLACK`) and the mode, sequential or the two-sub-batch pipeline, by predicted tokens/s.
 """
 from __future__ import annotations
 
@@ -12,7 +20,13 @@ from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
 from .config import EngineConfig
-from .sequence import Sequence, SequenceStatus
+from .host_kv import BlockSwapper
+from .perf_model import PerfModel
+from .sequence import Placement, Sequence, SequenceStatus
+
+LATENCY_SLACK = 1.1          # auto: CPU work may stretch an iteration by at most 10% over its GPU part
+GPU_WATERMARK = 0.05         # auto: keep this fraction of device blocks free before offloading new requests
+CPU_BEHIND = 1.5             # auto: measured/predicted host time above this stops new offloads
 
 
 @dataclass
@@ -20,7 +34,12 @@ class SchedulerOutput:
     prefills: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens in this chunk)
     gpu_decodes: list[Sequence] = field(default_factory=list)
     cpu_decodes: list[Sequence] = field(default_factory=list)
+    pipelined: bool = False
+    split: int = 0                     # pipelined: cpu_decodes[:split] ride in sub-batch 0, the rest in 1
+    offload_after_step: list[Sequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    predicted_time: float = 0.0
+    predicted_cpu_time: float = 0.0
 
     @property
     def is_empty(self) -> bool:
@@ -30,68 +49,150 @@ class SchedulerOutput:
     def num_prefill_tokens(self) -> int:
         return sum(n for _, n in self.prefills)
 
+    @property
+    def mode(self) -> str:
+        if not self.cpu_decodes:
+            return "gpu_only"
+        return "pipelined" if self.pipelined else "sequential"
+
     def scheduled(self) -> list[tuple[Sequence, int]]:
         return self.prefills + [(s, 1) for s in self.gpu_decodes + self.cpu_decodes]
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, gpu_blocks: BlockManager) -> None:
+    def __init__(self, config: EngineConfig, gpu_blocks: BlockManager, cpu_blocks: BlockManager | None = None,
+                 swapper: BlockSwapper | None = None, perf: PerfModel | None = None) -> None:
         self.config = config
-        self.gpu_blocks = gpu_blocks
+        self.policy = config.offload_policy if cpu_blocks is not None and cpu_blocks.num_blocks else "never"
+        self.gpu_blocks, self.cpu_blocks = gpu_blocks, cpu_blocks
+        self.swapper = swapper
+        self.perf = perf
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.cpu_running: list[Sequence] = []
+        self.iteration = 0
+        self._swapped_in: set[str] = set()
         self.num_preemptions = 0
+        self.swap_out_blocks = 0
+        self.swap_in_blocks = 0
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.cpu_running)
+
+    @property
+    def cpu_behind(self) -> bool:
+        return self.perf is not None and self.perf.cpu_correction > CPU_BEHIND
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
     def remove(self, seq: Sequence) -> None:
         """Take a finished or aborted request out and return its blocks."""
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
-        self.gpu_blocks.free(seq)
+        for queue in (self.running, self.cpu_running, self.waiting):
+            if seq in queue:
+                queue.remove(seq)
+                break
+        self._pool(seq).free(seq)
+
+    def complete_swaps(self) -> None:
+        """Finish the swap-outs started after the previous step; their device blocks become free."""
+        if self.swapper is not None:
+            self.gpu_blocks.release(self.swapper.complete())
 
     def schedule(self) -> SchedulerOutput:
+        self.iteration += 1
+        self._swapped_in.clear()
+        self.complete_swaps()
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
+        if self.policy == "auto" and not self.waiting:
+            self._swap_in()
+        if self.policy != "never":
+            self._make_room_for_admission()
+        budget = self._schedule_gpu_running(out, self.config.max_num_batched_tokens)
+        cpu_ready = self._grow_cpu_running(out)
+        if not out.preempted:
+            self._admit(out, budget)
+        self._plan_cpu_decodes(out, cpu_ready)
+        self._place_finished_prefills(out)
+        return out
+
+    def offload(self, seqs: list[Sequence]) -> None:
+        """Start moving freshly prefilled requests to the host pool (after the step that prefilled them)."""
+        for seq in seqs:
+            if not seq.finished and seq in self.running:
+                self._swap_out(seq, complete=False)
+
+    # Steps ------------------------------------------------------------------------------------------------
+
+    def _swap_in(self) -> None:
+        reserve = int(GPU_WATERMARK * self.gpu_blocks.num_blocks)
+        for seq in list(self.cpu_running):
+            need = self.gpu_blocks.blocks_needed(len(seq.token_ids) + 1)
+            if len(self.running) + 1 > self.config.max_num_seqs or need + reserve > self.gpu_blocks.num_free_blocks:
+                return
+            gpu = self.gpu_blocks.allocate(len(seq.block_table))
+            self.swapper.swap_in(seq.block_table, gpu)
+            self.swap_in_blocks += len(gpu)
+            self.cpu_blocks.release(seq.block_table)
+            seq.block_table = gpu
+            seq.placement = Placement.GPU
+            self.cpu_running.remove(seq)
+            self.running.append(seq)
+            self._swapped_in.add(seq.request_id)
+
+    def _make_room_for_admission(self) -> None:
+        if not self.waiting or self.cpu_behind and self.policy == "auto":
+            return
+        head = self.waiting[0]
+        need = self.gpu_blocks.blocks_needed(min(head.num_uncomputed_tokens, self.config.max_num_batched_tokens))
+        while self.gpu_blocks.num_free_blocks < need:
+            victim = self._newest_swappable()
+            if victim is None or not self._swap_out(victim, complete=True):
+                return
+
+    def _schedule_gpu_running(self, out: SchedulerOutput, budget: int) -> int:
         idx = 0
         while idx < len(self.running) and budget > 0:
             seq = self.running[idx]
             n = 1 if seq.is_decode else min(seq.num_uncomputed_tokens, budget)
-            if not self._make_room(seq, seq.num_computed_tokens + n, out):
-                break
+            if not self._grow_on_gpu(seq, seq.num_computed_tokens + n, out):
+                continue  # seq left the running queue; the same idx now holds the next one
             (out.gpu_decodes.append(seq) if seq.is_decode else out.prefills.append((seq, n)))
             budget -= n
             idx += 1
-        if not out.preempted:
-            self._admit(out, budget)
-        return out
+        return budget
 
-    def _make_room(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
-        """Grow `seq` to `num_tokens` slots, preempting the newest running requests as needed."""
+    def _grow_on_gpu(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
+        """Give `seq` room for `num_tokens`, evicting the newest running requests (swap-out or recompute)."""
         while not self.gpu_blocks.can_grow(seq, num_tokens):
-            victim = self.running.pop()
-            self._preempt(victim)
-            out.preempted.append(victim)
+            victim = self.running[-1]
+            if not (victim.is_decode and victim.request_id not in self._swapped_in and
+                    self._swap_out(victim, complete=True)):
+                self._preempt(victim, out)
             if victim is seq:
                 return False
         self.gpu_blocks.grow(seq, num_tokens)
         return True
 
-    def _preempt(self, seq: Sequence) -> None:
-        self.gpu_blocks.free(seq)
-        seq.reset_for_recompute()
-        self.waiting.appendleft(seq)
-        self.num_preemptions += 1
+    def _grow_cpu_running(self, out: SchedulerOutput) -> list[Sequence]:
+        ready = []
+        for seq in list(self.cpu_running):
+            if seq not in self.cpu_running:
+                continue  # preempted below to make room for an older one
+            while not self.cpu_blocks.can_grow(seq, len(seq.token_ids)):
+                victim = self.cpu_running[-1]
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            if seq in self.cpu_running:
+                self.cpu_blocks.grow(seq, len(seq.token_ids))
+                ready.append(seq)
+        return ready
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (self.waiting and budget > 0 and
+               len(self.running) + len(self.cpu_running) < self.config.max_num_seqs):
             seq = self.waiting[0]
             n = min(seq.num_uncomputed_tokens, budget)
             if not self.gpu_blocks.can_grow(seq, n):
@@ -102,3 +203,99 @@ class Scheduler:
             self.running.append(seq)
             out.prefills.append((seq, n))
             budget -= n
+
+    def _plan_cpu_decodes(self, out: SchedulerOutput, ready: list[Sequence]) -> None:
+        """Choose the CPU decodes of this iteration and the mode, by the performance model."""
+        if not ready:
+            return
+        if self.perf is None:
+            out.cpu_decodes = ready
+            out.pipelined = self.config.pipeline == "on" and len(ready) > 1
+            out.split = len(ready) // 2
+            return
+        gpu_tokens = out.num_prefill_tokens + len(out.gpu_decodes)
+        gpu_ctx = sum(len(s.token_ids) for s in out.gpu_decodes) + sum(
+            s.num_computed_tokens + n for s, n in out.prefills)
+        bound = float("inf")
+        if self.policy == "auto" and gpu_tokens:
+            bound = self.perf.sequential(gpu_tokens, gpu_ctx, 0, 0) * LATENCY_SLACK
+        best = None
+        ctx = [len(s.token_ids) for s in ready]
+        for count in range(len(ready), 0, -1):
+            plan = self._best_mode(gpu_tokens, gpu_ctx, ctx[:count])
+            if plan[0] <= bound or count == 1:
+                best = (count, *plan)
+                break
+        count, predicted, pipelined, split = best
+        if predicted > bound and gpu_tokens:
+            count = 0  # even one CPU decode would stretch the GPU's iteration: CPU-requests wait this time
+        out.cpu_decodes = ready[:count]
+        out.pipelined, out.split = pipelined and count > 1, split
+        out.predicted_time = predicted if count else self.perf.sequential(gpu_tokens, gpu_ctx, 0, 0)
+        out.predicted_cpu_time = self.perf.cpu_attention(count, sum(ctx[:count]))
+        # rotate: CPU-requests left out this time go first next time
+        self.cpu_running = [s for s in self.cpu_running if s not in out.cpu_decodes] + out.cpu_decodes
+
+    def _best_mode(self, gpu_tokens: int, gpu_ctx: int, ctx: list[int]) -> tuple[float, bool, int]:
+        """(predicted time, pipelined?, split) with the best tokens/s for these CPU decodes."""
+        n = len(ctx)
+        sequential = self.perf.sequential(gpu_tokens, gpu_ctx, n, sum(ctx))
+        if self.config.pipeline == "off" or n < 2:
+            return sequential, False, 0
+        best_pipe, best_split = float("inf"), 0
+        prefix = [0]
+        for c in ctx:
+            prefix.append(prefix[-1] + c)
+        for split in range(n + 1):
+            t = self.perf.pipelined(gpu_tokens, gpu_ctx, (split, prefix[split]), (n - split, prefix[n] - prefix[split]))
+            if t < best_pipe:
+                best_pipe, best_split = t, split
+        if best_split == n:   # nothing in sub-batch 1: that is the sequential mode
+            return sequential, False, 0
+        if self.config.pipeline == "on" or best_pipe < sequential:
+            return best_pipe, True, best_split
+        return sequential, False, 0
+
+    def _place_finished_prefills(self, out: SchedulerOutput) -> None:
+        if self.policy == "never":
+            return
+        reserve = int(GPU_WATERMARK * self.gpu_blocks.num_blocks)
+        for seq, n in out.prefills:
+            if seq.num_computed_tokens + n != len(seq.token_ids):
+                continue
+            if self.policy == "always" or (not self.cpu_behind and self.gpu_blocks.num_free_blocks < reserve):
+                out.offload_after_step.append(seq)
+
+    # Movement ---------------------------------------------------------------------------------------------
+
+    def _newest_swappable(self) -> Sequence | None:
+        for seq in reversed(self.running):
+            if seq.is_decode and seq.request_id not in self._swapped_in:
+                return seq
+        return None
+
+    def _swap_out(self, seq: Sequence, complete: bool) -> bool:
+        """Move `seq`'s KV to the host pool; False if the policy or the host pool does not allow it."""
+        if self.policy == "never" or not self.cpu_blocks.num_free_blocks >= len(seq.block_table) + 1:
+            return False
+        cpu = self.cpu_blocks.allocate(len(seq.block_table))
+        self.swapper.swap_out(seq.block_table, cpu)
+        self.swap_out_blocks += len(cpu)
+        seq.block_table = cpu
+        seq.placement = Placement.CPU
+        self.running.remove(seq)
+        self.cpu_running.append(seq)
+        if complete:
+            self.complete_swaps()
+        return True
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        (self.running if seq in self.running else self.cpu_running).remove(seq)
+        self._pool(seq).free(seq)
+        seq.reset_for_recompute()
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+        self.num_preemptions += 1
+
+    def _pool(self, seq: Sequence) -> BlockManager:
+        return self.cpu_blocks if seq.placement == Placement.CPU else self.gpu_blocks

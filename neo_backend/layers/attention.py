@@ -7,7 +7,7 @@ reference elsewhere); host decodes (NEO's CPU-requests) are handed to `Attention
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -34,7 +34,6 @@ class AttentionMetadata:
     num_host_decodes: int = 0
     # (layer index, q, k, v) -> output, for the host decodes at the end of the batch (NEO offload).
     host_attention: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-    host_layer_state: dict = field(default_factory=dict)
 
     @property
     def num_decodes(self) -> int:
@@ -58,6 +57,15 @@ class PagedAttention(torch.nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
+        out = self.device_attention(q, k, v, meta)
+        if meta.num_host_decodes:
+            n = meta.num_device_tokens
+            out[n:] = meta.host_attention(self.layer_idx, q[n:], k[n:], v[n:])
+        return out
+
+    def device_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+                         ) -> torch.Tensor:
+        """Attention of the device rows (prefills, GPU decodes); host rows of the result are left unset."""
         num_dev = meta.num_device_tokens
         out = torch.empty_like(q)
         if num_dev:
@@ -69,8 +77,6 @@ class PagedAttention(torch.nn.Module):
             span = slice(meta.num_prefill_tokens, num_dev)
             out[span] = paged_decode.decode_attention(
                 q[span], self.k_cache, self.v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale)
-        if meta.num_host_decodes:
-            out[num_dev:] = meta.host_attention(self.layer_idx, q[num_dev:], k[num_dev:], v[num_dev:])
         return out
 
     def _store(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -1,0 +1,187 @@
+"""NEO's host side of the KV cache: the pinned host pool, block swaps between pools, and CPU decode attention.
+
+Swaps run on their own CUDA stream: a swap-out gathers the request's device blocks into a staging buffer and
+copies it to pinned memory; it completes (scatter into the host pool, device blocks freed) at the start of
+the next step. A swap-in gathers host blocks into pinned staging, copies them up and scatters them into
+the device pool on the copy stream; the compute stream waits on its event before using them.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from . import cpu_attention
+from .config import ModelConfig
+from .errors import ConfigError
+
+log = logging.getLogger("neo_backend")
+
+
+class HostKVCache:
+    """Per-layer host K/V tensors [num_blocks, block_size, Hkv, D], pinned when a CUDA device is in use."""
+
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, pin: bool) -> None:
+        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        nbytes = 2 * cfg.num_layers * num_blocks * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+        available = host_available_bytes()
+        if nbytes > 0.9 * available:
+            raise ConfigError(f"cpu_kv_cache_gb asks for {nbytes / 2**30:.1f} GiB of host memory but only "
+                              f"{available / 2**30:.1f} GiB is available; lower cpu_kv_cache_gb")
+        start = time.monotonic()
+        self.k_caches = [torch.zeros(shape, dtype=dtype, pin_memory=pin) for _ in range(cfg.num_layers)]
+        self.v_caches = [torch.zeros(shape, dtype=dtype, pin_memory=pin) for _ in range(cfg.num_layers)]
+        self.num_blocks = num_blocks
+        log.info("host KV pool: %d blocks x %d tokens (%.2f GiB%s) in %.1fs", num_blocks, block_size,
+                 nbytes / 2 ** 30, ", pinned" if pin else "", time.monotonic() - start)
+
+
+@dataclass
+class _PendingSwapOut:
+    host_blocks: torch.Tensor
+    staging: list[torch.Tensor]            # per layer: [2, n, block_size, Hkv, D] on the host
+    done: torch.cuda.Event | None
+    release: list[int] = field(default_factory=list)  # device blocks to free once the copy has finished
+
+
+class BlockSwapper:
+    def __init__(self, device_k: list[torch.Tensor], device_v: list[torch.Tensor], host: HostKVCache,
+                 device: torch.device) -> None:
+        self.device_k, self.device_v, self.host = device_k, device_v, host
+        self.device = device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._pending: list[_PendingSwapOut] = []
+        self._swap_in_done: torch.cuda.Event | None = None
+
+    def swap_out(self, device_blocks: list[int], host_blocks: list[int]) -> None:
+        """Start copying device blocks to host blocks; `complete` finishes it and returns the device blocks."""
+        src = torch.tensor(device_blocks, dtype=torch.long, device=self.device)
+        staging = []
+        with self._on_copy_stream():
+            for k, v in zip(self.device_k, self.device_v):
+                gathered = torch.stack((k.index_select(0, src), v.index_select(0, src)))
+                host = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=self.stream is not None)
+                host.copy_(gathered, non_blocking=True)
+                staging.append(host)
+            done = self._record()
+        self._pending.append(_PendingSwapOut(torch.tensor(host_blocks, dtype=torch.long), staging, done,
+                                             list(device_blocks)))
+
+    def complete(self) -> list[int]:
+        """Finish every started swap-out; returns the device blocks that are now free."""
+        freed = []
+        for swap in self._pending:
+            if swap.done is not None:
+                swap.done.synchronize()
+            for layer, staged in enumerate(swap.staging):
+                self.host.k_caches[layer].index_copy_(0, swap.host_blocks, staged[0])
+                self.host.v_caches[layer].index_copy_(0, swap.host_blocks, staged[1])
+            freed += swap.release
+        self._pending.clear()
+        return freed
+
+    def swap_in(self, host_blocks: list[int], device_blocks: list[int]) -> None:
+        """Copy host blocks to device blocks; compute waits for it via `wait_swap_in`."""
+        src = torch.tensor(host_blocks, dtype=torch.long)
+        dst = torch.tensor(device_blocks, dtype=torch.long, device=self.device)
+        with self._on_copy_stream():
+            for k, v, hk, hv in zip(self.device_k, self.device_v, self.host.k_caches, self.host.v_caches):
+                staged = torch.stack((hk.index_select(0, src), hv.index_select(0, src)))
+                if self.stream is not None:
+                    staged = staged.pin_memory()
+                up = staged.to(self.device, non_blocking=True)
+                k.index_copy_(0, dst, up[0])
+                v.index_copy_(0, dst, up[1])
+            self._swap_in_done = self._record()
+
+    def wait_swap_in(self) -> None:
+        """Make the compute stream wait for swap-ins started so far."""
+        if self._swap_in_done is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._swap_in_done)
+            self._swap_in_done = None
+
+    def _on_copy_stream(self):
+        if self.stream is None:
+            return _NullContext()
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        return torch.cuda.stream(self.stream)
+
+    def _record(self) -> torch.cuda.Event | None:
+        if self.stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
+
+
+class _NullContext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@dataclass
+class HostDecodeBatch:
+    """The CPU-requests of one (sub-)batch: where their new k/v go and what they attend to."""
+    block_tables: torch.Tensor   # int32 [B, max_blocks]
+    context_lens: torch.Tensor   # int32 [B]
+    slots: torch.Tensor          # int64 [B]
+
+    @property
+    def size(self) -> int:
+        return self.context_lens.numel()
+
+    @property
+    def context_tokens(self) -> int:
+        return int(self.context_lens.sum())
+
+
+class HostAttention:
+    """Decode attention of CPU-requests: q/k/v of the new token go down, the kernel appends k/v to the host
+    pool and attends (GIL released), the output goes back up. Times every call for the fail-safe."""
+
+    def __init__(self, host: HostKVCache, scale: float, device: torch.device, num_threads: int | None) -> None:
+        self.host = host
+        self.scale = scale
+        self.device = device
+        if num_threads:
+            cpu_attention.set_num_threads(num_threads)
+        self.seconds = 0.0
+
+    def run(self, layer: int, batch: HostDecodeBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+            ) -> torch.Tensor:
+        """q [B, Hq, D], k/v [B, Hkv, D] on the host (already copied down) -> attention output on the host."""
+        start = time.perf_counter()
+        cpu_attention.append_kv(k, v, self.host.k_caches[layer], self.host.v_caches[layer], batch.slots)
+        out = cpu_attention.paged_decode_attention(q, self.host.k_caches[layer], self.host.v_caches[layer],
+                                                   batch.block_tables, batch.context_lens, self.scale)
+        self.seconds += time.perf_counter() - start
+        return out
+
+    def to_host(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
+        """Device -> host copies of the CPU-requests' rows (pinned + non-blocking on CUDA, then one sync)."""
+        if self.device.type != "cuda":
+            return [t.contiguous() for t in tensors]
+        out = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+        for dst, src in zip(out, tensors):
+            dst.copy_(src, non_blocking=True)
+        return out
+
+    def __call__(self, layer: int, q, k, v, batch: HostDecodeBatch) -> torch.Tensor:
+        """Sequential mode: the device waits for the host result."""
+        q, k, v = self.to_host(q, k, v)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        return self.run(layer, batch, q, k, v).to(self.device, non_blocking=True)
+
+
+def host_available_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("cannot read MemAvailable from /proc/meminfo")

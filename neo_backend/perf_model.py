@@ -1,0 +1,105 @@
+"""NEO's performance model: predicted iteration time by mode, profiled at start-up and corrected online.
+
+Times are per iteration, all layers: dense work (linear/FFN/norms/logits) grows with the batch's tokens,
+device decode attention with its context tokens, host decode attention with requests and context tokens.
+The host term is scaled by `cpu_correction`, an exponential average of measured over predicted host time,
+so CPU contention from other processes makes the scheduler hand the CPU less work (the fail-safe).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+log = logging.getLogger("neo_backend")
+
+CORRECTION_SMOOTHING = 0.3
+
+
+@dataclass
+class PerfModel:
+    dense_fixed: float
+    dense_per_token: float
+    gpu_attn_per_token: float
+    cpu_attn_fixed: float
+    cpu_attn_per_request: float
+    cpu_attn_per_token: float
+    cpu_correction: float = 1.0
+
+    def dense(self, tokens: int) -> float:
+        return self.dense_fixed + self.dense_per_token * tokens if tokens else 0.0
+
+    def gpu_attention(self, context_tokens: int) -> float:
+        return self.gpu_attn_per_token * context_tokens
+
+    def cpu_attention(self, requests: int, context_tokens: int) -> float:
+        if not requests:
+            return 0.0
+        raw = self.cpu_attn_fixed + self.cpu_attn_per_request * requests + self.cpu_attn_per_token * context_tokens
+        return raw * self.cpu_correction
+
+    def sequential(self, gpu_tokens: int, gpu_ctx: int, cpu_reqs: int, cpu_ctx: int) -> float:
+        return self.dense(gpu_tokens + cpu_reqs) + self.gpu_attention(gpu_ctx) + self.cpu_attention(cpu_reqs, cpu_ctx)
+
+    def pipelined(self, gpu_tokens: int, gpu_ctx: int, cpu0: tuple[int, int], cpu1: tuple[int, int]) -> float:
+        """Sub-batch 0 = GPU work + CPU-requests cpu0, sub-batch 1 = CPU-requests cpu1 (requests, context).
+        While the GPU runs one sub-batch's dense layers, the CPU runs the other's attention."""
+        gpu0 = self.dense(gpu_tokens + cpu0[0]) + self.gpu_attention(gpu_ctx)
+        gpu1 = self.dense(cpu1[0])
+        return max(gpu0, self.cpu_attention(*cpu1)) + max(gpu1, self.cpu_attention(*cpu0))
+
+    def observe_cpu(self, predicted: float, measured: float) -> None:
+        if predicted <= 0 or measured <= 0:
+            return
+        ratio = measured / (predicted / self.cpu_correction)
+        self.cpu_correction += CORRECTION_SMOOTHING * (ratio - self.cpu_correction)
+
+
+def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares (intercept, slope), both clamped at >= 0."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
+    slope = max(slope, 0.0)
+    return max(my - slope * mx, 0.0), slope
+
+
+def fit_plane(rows: list[tuple[float, float]], ys: list[float]) -> tuple[float, float, float]:
+    """Least-squares y = a + b*x1 + c*x2 (normal equations), coefficients clamped at >= 0."""
+    import numpy as np
+
+    a = np.array([[1.0, x1, x2] for x1, x2 in rows])
+    coef, *_ = np.linalg.lstsq(a, np.array(ys), rcond=None)
+    return tuple(float(max(c, 0.0)) for c in coef)
+
+
+def median_time(fn: Callable[[], None], sync: Callable[[], None], reps: int = 5) -> float:
+    fn()
+    sync()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def load_cached(path: Path) -> PerfModel | None:
+    try:
+        data = json.loads(path.read_text())
+        data.pop("cpu_correction", None)
+        return PerfModel(**data)
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def save(model: PerfModel, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(asdict(model), indent=1))
+    tmp.replace(path)

@@ -1,0 +1,109 @@
+"""Start-up profiling that fits the performance model, cached on disk by model, device and knobs."""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import asdict
+
+import torch
+
+from . import cpu_attention
+from .layers.attention import AttentionMetadata
+from .layers.paged_decode import decode_attention
+from .perf_model import PerfModel, fit_line, fit_plane, load_cached, median_time, save
+
+log = logging.getLogger("neo_backend")
+
+CPU_DEVICE_MAX_PROFILE_TOKENS = 256  # the torch-on-CPU "device" of tests is slow; the fit stays linear
+
+
+def load_or_profile(runner, host_cache, threads: int) -> PerfModel:
+    cfg = runner.model_cfg
+    device_name = torch.cuda.get_device_name(runner.device) if runner.device.type == "cuda" else "cpu"
+    key_fields = {"model": asdict(cfg), "dtype": str(runner.dtype), "device": device_name, "threads": threads,
+                  "block_size": runner.block_size, "max_tokens": runner.config.max_num_batched_tokens,
+                  "isa": cpu_attention.active_isa(), "version": 1}
+    key = hashlib.sha256(json.dumps(key_fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    path = runner.config.cache_path / "profiles" / f"{key}.json"
+    cached = load_cached(path)
+    if cached is not None:
+        log.info("performance model loaded from %s", path)
+        return cached
+    model = _profile(runner, host_cache)
+    save(model, path)
+    log.info("performance model saved to %s: %s", path, model)
+    return model
+
+
+def _sync_fn(device: torch.device):
+    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+
+@torch.inference_mode()
+def _profile(runner, host_cache) -> PerfModel:
+    sync = _sync_fn(runner.device)
+    cfg, bs = runner.model_cfg, runner.block_size
+    max_tokens = min(runner.config.max_num_batched_tokens, runner.num_gpu_blocks * bs)
+    if runner.device.type != "cuda":
+        max_tokens = min(max_tokens, CPU_DEVICE_MAX_PROFILE_TOKENS)
+    token_counts = sorted({1, 8, 32, max(1, max_tokens // 4), max_tokens})
+    dense_times = []
+    for i, tokens in enumerate(token_counts):
+        log.info("profiling dense layers (%d/%d): %d tokens", i + 1, len(token_counts), tokens)
+        dense_times.append(median_time(lambda: _dense_forward(runner, tokens), sync, reps=3))
+    dense_fixed, dense_per_token = fit_line(token_counts, dense_times)
+
+    log.info("profiling device decode attention")
+    gpu_per_token = _gpu_attention_per_token(runner, sync) * cfg.num_layers
+    log.info("profiling host decode attention (%d threads)", cpu_attention.get_num_threads())
+    cpu_fixed, cpu_per_req, cpu_per_tok = _cpu_attention_fit(runner, host_cache)
+    return PerfModel(dense_fixed, dense_per_token, gpu_per_token, cpu_fixed * cfg.num_layers,
+                     cpu_per_req * cfg.num_layers, cpu_per_tok * cfg.num_layers)
+
+
+def _dense_forward(runner, tokens: int) -> None:
+    device = runner.device
+    ids = torch.zeros(tokens, dtype=torch.long, device=device)
+    table = (torch.arange(tokens, device=device, dtype=torch.int32) // runner.block_size).view(tokens, 1)
+    meta = AttentionMetadata(slot_mapping=torch.arange(tokens, device=device), prefills=[], num_prefill_tokens=0,
+                             decode_block_tables=table,
+                             decode_context_lens=torch.ones(tokens, dtype=torch.int32, device=device))
+    hidden = runner.model(ids, ids, meta)
+    runner.model.compute_logits(hidden)
+
+
+def _random_tables(batch: int, context: int, block_size: int, num_blocks: int, device) -> torch.Tensor:
+    per_seq = (context + block_size - 1) // block_size
+    return torch.randint(0, num_blocks, (batch, per_seq), dtype=torch.int32, device=device)
+
+
+def _gpu_attention_per_token(runner, sync) -> float:
+    cfg, bs, device = runner.model_cfg, runner.block_size, runner.device
+    k, v = runner.k_caches[0], runner.v_caches[0]
+    points = []
+    for batch, context in ((8, 256), (32, 1024)):
+        q = torch.randn(batch, cfg.num_heads, cfg.head_dim, dtype=runner.dtype, device=device)
+        tables = _random_tables(batch, context, bs, runner.num_gpu_blocks, device)
+        lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+        t = median_time(lambda: decode_attention(q, k, v, tables, lens, cfg.head_dim ** -0.5), sync)
+        points.append((batch * context, t))
+    (small_tokens, small_t), (large_tokens, large_t) = points
+    slope = (large_t - small_t) / (large_tokens - small_tokens)
+    return slope if slope > 0 else large_t / large_tokens
+
+
+def _cpu_attention_fit(runner, host_cache) -> tuple[float, float, float]:
+    cfg, bs = runner.model_cfg, runner.block_size
+    k, v = host_cache.k_caches[0], host_cache.v_caches[0]
+    rows, times = [], []
+    for batch, context in ((2, 64), (2, 512), (16, 64), (16, 512), (32, 1024)):
+        if batch * context > host_cache.num_blocks * bs:
+            continue
+        q = torch.randn(batch, cfg.num_heads, cfg.head_dim).to(k.dtype)
+        tables = _random_tables(batch, context, bs, host_cache.num_blocks, "cpu")
+        lens = torch.full((batch,), context, dtype=torch.int32)
+        t = median_time(lambda: cpu_attention.paged_decode_attention(q, k, v, tables, lens, 0.1), lambda: None)
+        rows.append((batch, batch * context))
+        times.append(t)
+    return fit_plane(rows, times)

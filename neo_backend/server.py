@@ -1,0 +1,250 @@
+"""Start a real Triton Inference Server on the `neo` model repository (`python -m neo_backend serve`).
+
+Uses the `tritonserver` on PATH when there is one (as in NVIDIA's container), else the one bundled in PyPI
+`nvidia-pytriton`, for which it assembles a python-backend directory and the library path. Knob overrides from
+`NEO_<KNOB>` environment variables are written into a runtime copy of the model repository, so config.pbtxt stays
+the one place the model reads its knobs from. The pieces are public so tests can start servers the same way.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Mapping
+
+from .config import EngineConfig
+from .errors import ConfigError, NeoError
+
+log = logging.getLogger("neo_backend.server")
+
+MODEL_NAME = "neo"
+PACKAGE_ROOT = Path(__file__).resolve().parent.parent  # the directory holding neo_backend/
+DEFAULT_MODEL_REPOSITORY = PACKAGE_ROOT / "model_repository"
+EXIT_TIMEOUT_S = 10
+
+
+class ServerSetupError(NeoError):
+    """tritonserver or one of its parts could not be found or prepared."""
+
+
+@dataclass(frozen=True)
+class TritonInstall:
+    """Where the tritonserver binary and (for the bundled one) its libraries and python backend live."""
+    binary: Path
+    bundled_root: Path | None = None  # pytriton/tritonserver when using the nvidia-pytriton wheel
+
+    @property
+    def library_dirs(self) -> list[Path]:
+        if self.bundled_root is None:
+            return []
+        site_packages = self.bundled_root.parent.parent
+        return [site_packages / "nvidia_pytriton.libs", Path(sysconfig.get_config_var("LIBDIR"))]
+
+
+@dataclass(frozen=True)
+class ServerAddress:
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int = 8001
+    metrics_port: int = 8002
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> ServerAddress:
+        """NEO_HOST, NEO_HTTP_PORT, NEO_GRPC_PORT, NEO_METRICS_PORT."""
+        environ = os.environ if environ is None else environ
+        values: dict[str, object] = {}
+        for f in dataclasses.fields(cls):
+            raw = environ.get("NEO_" + f.name.upper(), "")
+            if raw == "":
+                continue
+            if f.name == "host":
+                values[f.name] = raw
+            elif raw.isdigit() and 0 < int(raw) < 65536:
+                values[f.name] = int(raw)
+            else:
+                raise ConfigError(f"environment variable NEO_{f.name.upper()}={raw!r} is not a port number (1-65535)")
+        return cls(**values)
+
+    def url(self, protocol: str) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+        port = {"http": self.http_port, "grpc": self.grpc_port, "metrics": self.metrics_port}[protocol]
+        return f"{host}:{port}"
+
+
+def find_tritonserver() -> TritonInstall:
+    on_path = shutil.which("tritonserver")
+    if on_path:
+        return TritonInstall(Path(on_path))
+    # Located, not imported: the wheel is installed without its dependencies, which its __init__ needs.
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        raise ServerSetupError("no tritonserver on PATH and nvidia-pytriton is not installed; run `make install` "
+                               "(pip install --no-deps nvidia-pytriton==0.7.0)")
+    root = Path(list(spec.submodule_search_locations)[0]).resolve() / "tritonserver"
+    binary = root / "bin" / "tritonserver"
+    if not binary.is_file():
+        raise ServerSetupError(f"nvidia-pytriton is installed but {binary} is missing; reinstall it")
+    return TritonInstall(binary, root)
+
+
+def prepare_backend_dir(install: TritonInstall, cache_dir: Path) -> Path | None:
+    """A backend directory holding `python/` with the backend library, its utils and the stub for this Python.
+
+    None for a tritonserver from PATH: it brings its own backends.
+    """
+    if install.bundled_root is None:
+        return None
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    backend = install.bundled_root / "backends" / "python"
+    parts = [backend / "libtriton_python.so", backend / "triton_python_backend_utils.py",
+             install.bundled_root / "python_backend_stubs" / version / "triton_python_backend_stub"]
+    missing = [str(p) for p in parts if not p.is_file()]
+    if missing:
+        raise ServerSetupError(f"the bundled python backend lacks {', '.join(missing)} (Python {version} "
+                               f"supported?)")
+    target = cache_dir / f"backends-py{version}"
+    (target / "python").mkdir(parents=True, exist_ok=True)
+    for part in parts:
+        dest = target / "python" / part.name
+        if not dest.exists() or dest.stat().st_size != part.stat().st_size:
+            shutil.copy2(part, dest)
+    return target
+
+
+def server_env(install: TritonInstall, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The server's environment: this interpreter's bin first on PATH (the python-backend stub takes its packages
+    from there) and, for the bundled server, its libraries and libpython on LD_LIBRARY_PATH."""
+    env = dict(os.environ if environ is None else environ)
+    env["PATH"] = _prepend(str(Path(sys.executable).parent), env.get("PATH"))
+    if install.library_dirs:
+        env["LD_LIBRARY_PATH"] = _prepend(os.pathsep.join(map(str, install.library_dirs)), env.get("LD_LIBRARY_PATH"))
+    return env
+
+
+def check_model_importable() -> None:
+    """The stub runs an isolated interpreter (no PYTHONPATH, no working directory): neo_backend must be installed
+    in this environment's site-packages for model.py to import it."""
+    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('neo_backend') is None)"
+    if subprocess.run([sys.executable, "-I", "-c", probe], cwd="/", check=False).returncode != 0:
+        raise ServerSetupError(f"neo_backend is not installed in {sys.prefix}, and the Triton python backend imports "
+                               f"it from there: run `make install` (or `pip install -e .`)")
+
+
+def read_parameters(config_path: Path) -> dict[str, str]:
+    """The `parameters` of a config.pbtxt, as strings."""
+    return {key: value.string_value for key, value in _read_config(config_path).parameters.items()}
+
+
+def knob_overrides(repository: Path = DEFAULT_MODEL_REPOSITORY, environ: Mapping[str, str] | None = None
+                   ) -> dict[str, str]:
+    """Knobs that `NEO_<KNOB>` variables change from the repository's config.pbtxt, validated here so a bad value
+    fails before the server starts."""
+    base = EngineConfig.from_strings(read_parameters(repository / MODEL_NAME / "config.pbtxt"),
+                                     source="config.pbtxt parameter")
+    config = EngineConfig.from_env(environ, base=base)
+    return {f.name: _knob_string(getattr(config, f.name)) for f in dataclasses.fields(config)
+            if getattr(config, f.name) != getattr(base, f.name)}
+
+
+def render_model_repository(target: Path, overrides: Mapping[str, object] | None = None,
+                            source: Path = DEFAULT_MODEL_REPOSITORY) -> Path:
+    """Copy the model repository to `target`, with `overrides` written into the neo model's parameters."""
+    overrides = {k: _knob_string(v) for k, v in (overrides or {}).items()}
+    unknown = sorted(set(overrides) - set(EngineConfig.field_names()))
+    if unknown:
+        raise ConfigError(f"unknown knob(s) {', '.join(unknown)}; known: {', '.join(EngineConfig.field_names())}")
+    EngineConfig.from_strings(overrides, source="knob")  # fail here, not in the server log
+    shutil.copytree(source, target, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
+    if overrides:
+        from google.protobuf import text_format
+
+        config_path = target / MODEL_NAME / "config.pbtxt"
+        config = _read_config(config_path)
+        for key, value in overrides.items():
+            config.parameters[key].string_value = value
+        config_path.write_text(text_format.MessageToString(config))
+    return target
+
+
+def build_command(install: TritonInstall, repository: Path, backend_dir: Path | None,
+                  address: ServerAddress) -> list[str]:
+    command = [str(install.binary), f"--model-repository={repository}",
+               f"--http-address={address.host}", f"--http-port={address.http_port}",
+               f"--grpc-address={address.host}", f"--grpc-port={address.grpc_port}",
+               f"--metrics-address={address.host}", f"--metrics-port={address.metrics_port}",
+               f"--exit-timeout-secs={EXIT_TIMEOUT_S}", "--allow-gpu-metrics=false"]
+    if backend_dir is not None:
+        # The bundled server has no CUDA: a pinned pool would only log errors.
+        command += [f"--backend-directory={backend_dir}", "--pinned-memory-pool-byte-size=0"]
+    # Python-backend shared memory regions are named by this prefix: servers running side by side need their own.
+    command.append(f"--backend-config=python,shm-region-prefix-name=neo_{address.grpc_port}_{os.getpid()}_")
+    return command
+
+
+def launch(address: ServerAddress, overrides: Mapping[str, object] | None = None, *, work_dir: Path,
+           cache_dir: Path | None = None, repository: Path = DEFAULT_MODEL_REPOSITORY,
+           stdout: IO | int | None = None) -> subprocess.Popen:
+    """Start tritonserver on a copy of `repository` (rendered into `work_dir`) and return the process."""
+    install = find_tritonserver()
+    check_model_importable()
+    cache_dir = cache_dir or EngineConfig().cache_path / "triton"
+    backend_dir = prepare_backend_dir(install, cache_dir)
+    model_repo = render_model_repository(work_dir / "model_repository", overrides, repository)
+    command = build_command(install, model_repo, backend_dir, address)
+    log.info("starting %s", " ".join(command))
+    return subprocess.Popen(command, env=server_env(install), stdout=stdout,
+                            stderr=subprocess.STDOUT if stdout is not None else None)
+
+
+def serve(args: object = None) -> int:
+    """Run tritonserver in the foreground until it exits; SIGTERM and SIGINT are forwarded to it."""
+    address = ServerAddress.from_env()
+    repository = Path(os.environ.get("NEO_MODEL_REPOSITORY") or DEFAULT_MODEL_REPOSITORY)
+    overrides = knob_overrides(repository)
+    log.info("model %s, knob overrides: %s", MODEL_NAME, overrides or "none")
+    log.info("endpoints: HTTP %s, gRPC %s, metrics http://%s/metrics", address.url("http"), address.url("grpc"),
+             address.url("metrics"))
+    with tempfile.TemporaryDirectory(prefix="neo-triton-") as work_dir:
+        process = launch(address, overrides, work_dir=Path(work_dir), repository=repository)
+
+        def forward(signum: int, _frame: object) -> None:
+            process.send_signal(signum)
+
+        previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            return process.wait()
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+
+def _read_config(config_path: Path):
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    try:
+        return text_format.Parse(config_path.read_text(), model_config_pb2.ModelConfig())
+    except (OSError, text_format.ParseError) as exc:
+        raise ServerSetupError(f"cannot read {config_path}: {exc}") from None
+
+
+def _prepend(entry: str, path: str | None) -> str:
+    return os.pathsep.join([entry, path]) if path else entry
+
+
+def _knob_string(value: object) -> str:
+    """A knob value as config.pbtxt writes it ('' for unset)."""
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
