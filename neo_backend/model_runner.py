@@ -7,6 +7,7 @@ from functools import partial
 
 import torch
 
+from . import cpu_attention
 from .config import EngineConfig, ModelConfig
 from .host_kv import BlockSwapper, HostAttention, HostDecodeBatch, HostKVCache, host_available_bytes
 from .layers.attention import AttentionMetadata, PrefillChunk
@@ -56,6 +57,10 @@ class ModelRunner:
         self.host_attention: HostAttention | None = None
         self.pipeline: PipelinedExecutor | None = None
         num_cpu_blocks = int(config.cpu_kv_cache_gb * 2 ** 30) // self.block_bytes
+        if config.offload_policy != "never" and model_cfg.head_dim not in cpu_attention.SUPPORTED_HEAD_DIMS:
+            log.warning("head_dim %d has no CPU attention kernel (supported: %s); offloading is off",
+                        model_cfg.head_dim, cpu_attention.SUPPORTED_HEAD_DIMS)
+            num_cpu_blocks = 0
         if config.offload_policy != "never" and num_cpu_blocks > 0:
             self.host_cache = HostKVCache(model_cfg, num_cpu_blocks, self.block_size, self.dtype,
                                           pin=self.device.type == "cuda")

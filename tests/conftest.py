@@ -26,7 +26,7 @@ def _make_tiny(directory: Path, variant: str) -> Path:
 
     spec = dict(TINY_VARIANTS[variant])
     model_type = spec.pop("model_type")
-    cfg = AutoConfig.for_model(model_type, vocab_size=512, hidden_size=64, intermediate_size=128,
+    cfg = AutoConfig.for_model(model_type, vocab_size=512, hidden_size=256, intermediate_size=256,
                                num_hidden_layers=2, max_position_embeddings=512, rms_norm_eps=1e-5,
                                rope_theta=10000.0, bos_token_id=1, eos_token_id=2, **spec)
     torch.manual_seed(0)

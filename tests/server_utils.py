@@ -1,0 +1,138 @@
+"""Start a real tritonserver for tests: free ports, a readiness wait, the log kept for failure messages, a clean stop.
+
+    with triton_server({"num_gpu_blocks": 512}) as server:
+        client = tritonclient.grpc.InferenceServerClient(server.grpc_url)
+
+`triton_server` starts the server exactly as `python -m neo_backend serve` does (neo_backend.server.launch);
+knob overrides are EngineConfig field names with values.
+"""
+from __future__ import annotations
+
+import contextlib
+import re
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Mapping
+
+from neo_backend.server import DEFAULT_MODEL_REPOSITORY, MODEL_NAME, ServerAddress, launch
+
+READY_TIMEOUT_S = 300.0
+STOP_TIMEOUT_S = 30.0
+LOG_TAIL_CHARS = 6000
+
+
+@dataclass
+class RunningServer:
+    process: subprocess.Popen
+    address: ServerAddress
+    log_path: Path
+    model: str = MODEL_NAME
+
+    @property
+    def http_url(self) -> str:
+        return self.address.url("http")
+
+    @property
+    def grpc_url(self) -> str:
+        return self.address.url("grpc")
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.address.url('metrics')}/metrics"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def log_tail(self, chars: int = LOG_TAIL_CHARS) -> str:
+        return self.log()[-chars:]
+
+    def is_ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as response:
+                return response.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.is_ready():
+            if self.process.poll() is not None:
+                raise RuntimeError(f"tritonserver exited with {self.process.returncode} before it was ready; "
+                                   f"log tail:\n{self.log_tail()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"tritonserver not ready after {timeout:.0f} s; log tail:\n{self.log_tail()}")
+            time.sleep(0.5)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = STOP_TIMEOUT_S) -> int:
+        """Signal the server and wait for it; kill it if it outlives `timeout`. Returns its exit status."""
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+        return self.process.returncode
+
+
+def free_ports(count: int) -> list[int]:
+    """Ports free right now (held together while picked, so they differ)."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+
+
+@contextlib.contextmanager
+def triton_server(overrides: Mapping[str, object] | None = None, *, ready_timeout: float = READY_TIMEOUT_S,
+                  wait: bool = True, repository: Path = DEFAULT_MODEL_REPOSITORY) -> Iterator[RunningServer]:
+    """A tritonserver on free local ports with the `neo` model; stopped (SIGTERM, then kill) on exit.
+
+    With wait=False it yields as soon as the process runs (for tests of start-up failures); call wait_ready().
+    """
+    http, grpc, metrics = free_ports(3)
+    address = ServerAddress("127.0.0.1", http, grpc, metrics)
+    with tempfile.TemporaryDirectory(prefix="neo-test-server-") as work_dir:
+        log_path = Path(work_dir) / "tritonserver.log"
+        with open(log_path, "w") as log_file:
+            process = launch(address, overrides, work_dir=Path(work_dir), repository=repository, stdout=log_file)
+        server = RunningServer(process, address, log_path)
+        try:
+            if wait:
+                server.wait_ready(ready_timeout)
+            yield server
+        finally:
+            server.stop()
+
+
+# Metrics ---------------------------------------------------------------------------------------------------------
+
+_SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)")
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def scrape_metrics(metrics_url: str, timeout: float = 10.0) -> list[tuple[str, dict[str, str], float]]:
+    """Samples of a Prometheus text page: (name, labels, value)."""
+    with urllib.request.urlopen(metrics_url, timeout=timeout) as response:
+        text = response.read().decode()
+    samples = []
+    for line in text.splitlines():
+        match = _SAMPLE.match(line)
+        if match and not line.startswith("#"):
+            labels = dict(_LABEL.findall(match.group("labels") or ""))
+            samples.append((match.group("name"), labels, float(match.group("value"))))
+    return samples
+
+
+def metric_value(samples: list[tuple[str, dict[str, str], float]], name: str, **labels: str) -> float:
+    """Sum of the samples of `name` whose labels include `labels`; 0 when none."""
+    return sum(value for sample_name, sample_labels, value in samples
+               if sample_name == name and all(sample_labels.get(k) == v for k, v in labels.items()))

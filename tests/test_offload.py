@@ -1,0 +1,69 @@
+"""NEO offload end to end on CPU: greedy tokens do not depend on where requests live or how a step runs."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from neo_backend import EngineConfig, LLMEngine
+
+from test_generation import _collect, _mixed_requests
+
+CONFIGS = {
+    "never": dict(offload_policy="never"),
+    "always-sequential": dict(offload_policy="always", pipeline="off"),
+    "always-pipelined": dict(offload_policy="always", pipeline="on"),
+    "auto-small-gpu": dict(offload_policy="auto", pipeline="auto"),
+}
+
+
+def _engine(model_dir, num_gpu_blocks: int, **knobs) -> LLMEngine:
+    knobs = {"cpu_kv_cache_gb": 0.01, **knobs}
+    return LLMEngine(EngineConfig(model=str(model_dir), num_gpu_blocks=num_gpu_blocks, block_size=8,
+                                  max_num_batched_tokens=64, **knobs))
+
+
+@pytest.fixture(scope="module")
+def workload():
+    return _mixed_requests(20, seed=11)
+
+
+@pytest.fixture(scope="module")
+def reference_tokens(tiny_model_dirs, workload):
+    prompts, max_tokens = workload
+    engine = _engine(tiny_model_dirs["llama3"], 512, offload_policy="never")
+    return [_collect(engine, [p], [m], stagger=False)[0] for p, m in zip(prompts, max_tokens)]
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_greedy_tokens_identical_across_policies(tiny_model_dirs, workload, reference_tokens, name):
+    prompts, max_tokens = workload
+    engine = _engine(tiny_model_dirs["llama3"], 24, **CONFIGS[name])
+    tokens = _collect(engine, prompts, max_tokens, stagger=True)
+    assert tokens == reference_tokens
+    stats = engine.stats_snapshot()
+    assert stats["gpu_blocks_used"] == 0 and stats["cpu_blocks_used"] == 0, "KV blocks leaked"
+    if name.startswith("always"):
+        assert stats["cpu_decode_tokens"] > 0 and stats["swap_out_blocks"] > 0
+        assert stats["modes"].get("pipelined" if name.endswith("pipelined") else "sequential", 0) > 0
+    if name == "auto-small-gpu":
+        assert stats["swap_out_blocks"] > 0, "a 24-block GPU pool must push requests to the host pool"
+        assert stats["cpu_decode_tokens"] > 0
+
+
+def test_smollm_greedy_unchanged_by_offload(smollm_engine):
+    prompts = [smollm_engine.tokenizer.encode(p) for p in
+               ["The capital of France is", "List three colors:", "def add(a, b):", "Water boils at"]]
+    max_tokens = [12, 10, 14, 8]
+    expected = [_collect(smollm_engine, [p], [m], stagger=False)[0] for p, m in zip(prompts, max_tokens)]
+    engine = LLMEngine(EngineConfig(offload_policy="always", pipeline="on", num_gpu_blocks=64,
+                                    cpu_kv_cache_gb=0.05, max_num_batched_tokens=128))
+    assert _collect(engine, prompts, max_tokens, stagger=True) == expected
+    assert engine.stats_snapshot()["modes"].get("pipelined", 0) > 0
+    assert engine.cpu_blocks.num_free_blocks == engine.cpu_blocks.num_blocks
+
+
+def test_host_pool_larger_than_memory_is_a_clear_error(tiny_model_dirs):
+    from neo_backend import ConfigError
+
+    with pytest.raises(ConfigError, match="cpu_kv_cache_gb"):
+        _engine(tiny_model_dirs["llama3"], 24, offload_policy="auto", cpu_kv_cache_gb=1e6)
