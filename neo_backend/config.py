@@ -50,6 +50,8 @@ class EngineConfig:
     cpu_kv_cache_gb: float = field(default=4.0, metadata={"help": "host (pinned) KV pool size in GiB"})
     cpu_attention_threads: int | None = field(default=None, metadata={"help": "default: the cores this process may use"})
     pipeline: str = field(default="auto", metadata={"choices": PIPELINE_MODES})
+    cpu_latency_slack: float = field(default=1.2, metadata={"help": "auto: an iteration with CPU work may take at "
+                                                                    "most this times its GPU part alone"})
     cache_dir: str | None = field(default=None, metadata={"help": "converted tokenizers and performance profiles; "
                                                                    "default: $XDG_CACHE_HOME/neo-triton"})
     # Per-request limits (admission control)
@@ -77,6 +79,8 @@ class EngineConfig:
             raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.cpu_latency_slack < 1.0:
+            raise ConfigError(f"cpu_latency_slack must be >= 1, got {self.cpu_latency_slack}")
         if self.cpu_kv_cache_gb < 0:
             raise ConfigError(f"cpu_kv_cache_gb must be >= 0, got {self.cpu_kv_cache_gb}")
         if self.max_logprobs < 0:

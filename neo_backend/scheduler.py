@@ -11,7 +11,7 @@ Three queues: `waiting` (prefill), `running` (KV on the device: prefill chunks a
 5. waiting prompts are admitted within the token budget and `max_num_seqs`; a finished prefill is moved to
    the host pool after the step when the policy is `always`, or under `auto` when the device is nearly full;
 6. the performance model picks the CPU decodes that fit the latency bound (auto: the GPU part's predicted
-   time times `LATENCY_SLACK`) and the mode, sequential or the two-sub-batch pipeline, by predicted tokens/s.
+   time times `cpu_latency_slack`) and the mode, sequential or the two-sub-batch pipeline, by predicted tokens/s.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from .host_kv import BlockSwapper
 from .perf_model import PerfModel
 from .sequence import Placement, Sequence, SequenceStatus
 
-LATENCY_SLACK = 1.1          # auto: CPU work may stretch an iteration by at most 10% over its GPU part
+MAX_SKIPPED_ITERATIONS = 4   # auto: a CPU-request left out this many iterations in a row runs regardless
 GPU_WATERMARK = 0.05         # auto: keep this fraction of device blocks free before offloading new requests
 CPU_BEHIND = 1.5             # auto: measured/predicted host time above this stops new offloads
 
@@ -72,6 +72,7 @@ class Scheduler:
         self.cpu_running: list[Sequence] = []
         self.iteration = 0
         self._swapped_in: set[str] = set()
+        self._skipped: dict[str, int] = {}
         self.num_preemptions = 0
         self.swap_out_blocks = 0
         self.swap_in_blocks = 0
@@ -89,6 +90,7 @@ class Scheduler:
 
     def remove(self, seq: Sequence) -> None:
         """Take a finished or aborted request out and return its blocks."""
+        self._skipped.pop(seq.request_id, None)
         for queue in (self.running, self.cpu_running, self.waiting):
             if seq in queue:
                 queue.remove(seq)
@@ -126,8 +128,10 @@ class Scheduler:
     # Steps ------------------------------------------------------------------------------------------------
 
     def _swap_in(self) -> None:
-        reserve = int(GPU_WATERMARK * self.gpu_blocks.num_blocks)
+        """Bring CPU-requests back while the device keeps headroom: the watermark, and one block of growth
+        per GPU request (so the next shortage does not swap the same request straight out again)."""
         for seq in list(self.cpu_running):
+            reserve = max(int(GPU_WATERMARK * self.gpu_blocks.num_blocks), len(self.running) + 1)
             need = self.gpu_blocks.blocks_needed(len(seq.token_ids) + 1)
             if len(self.running) + 1 > self.config.max_num_seqs or need + reserve > self.gpu_blocks.num_free_blocks:
                 return
@@ -205,7 +209,12 @@ class Scheduler:
             budget -= n
 
     def _plan_cpu_decodes(self, out: SchedulerOutput, ready: list[Sequence]) -> None:
-        """Choose the CPU decodes of this iteration and the mode, by the performance model."""
+        """Choose the CPU decodes of this iteration and the mode, by the performance model.
+
+        Under `auto`, CPU work may stretch the iteration to at most `cpu_latency_slack` times what its GPU part alone
+        is predicted to take; CPU-requests left out MAX_SKIPPED_ITERATIONS times in a row run regardless, so
+        none starves. Left-out requests go first next time.
+        """
         if not ready:
             return
         if self.perf is None:
@@ -216,25 +225,23 @@ class Scheduler:
         gpu_tokens = out.num_prefill_tokens + len(out.gpu_decodes)
         gpu_ctx = sum(len(s.token_ids) for s in out.gpu_decodes) + sum(
             s.num_computed_tokens + n for s, n in out.prefills)
-        bound = float("inf")
-        if self.policy == "auto" and gpu_tokens:
-            bound = self.perf.sequential(gpu_tokens, gpu_ctx, 0, 0) * LATENCY_SLACK
-        best = None
+        gpu_alone = self.perf.sequential(gpu_tokens, gpu_ctx, 0, 0)
+        bound = gpu_alone * self.config.cpu_latency_slack if self.policy == "auto" and gpu_tokens else float("inf")
+        ready = sorted(ready, key=lambda s: -self._skipped.get(s.request_id, 0))
+        forced = sum(1 for s in ready if self._skipped.get(s.request_id, 0) >= MAX_SKIPPED_ITERATIONS)
         ctx = [len(s.token_ids) for s in ready]
-        for count in range(len(ready), 0, -1):
-            plan = self._best_mode(gpu_tokens, gpu_ctx, ctx[:count])
-            if plan[0] <= bound or count == 1:
-                best = (count, *plan)
+        count, (predicted, pipelined, split) = forced, self._best_mode(gpu_tokens, gpu_ctx, ctx[:forced])
+        for n in range(len(ready), forced, -1):
+            plan = self._best_mode(gpu_tokens, gpu_ctx, ctx[:n])
+            if plan[0] <= bound:
+                count, (predicted, pipelined, split) = n, plan
                 break
-        count, predicted, pipelined, split = best
-        if predicted > bound and gpu_tokens:
-            count = 0  # even one CPU decode would stretch the GPU's iteration: CPU-requests wait this time
         out.cpu_decodes = ready[:count]
-        out.pipelined, out.split = pipelined and count > 1, split
-        out.predicted_time = predicted if count else self.perf.sequential(gpu_tokens, gpu_ctx, 0, 0)
+        out.pipelined, out.split = pipelined, split
+        out.predicted_time = predicted if count else gpu_alone
         out.predicted_cpu_time = self.perf.cpu_attention(count, sum(ctx[:count]))
-        # rotate: CPU-requests left out this time go first next time
-        self.cpu_running = [s for s in self.cpu_running if s not in out.cpu_decodes] + out.cpu_decodes
+        for seq in ready:
+            self._skipped[seq.request_id] = 0 if seq in out.cpu_decodes else self._skipped.get(seq.request_id, 0) + 1
 
     def _best_mode(self, gpu_tokens: int, gpu_ctx: int, ctx: list[int]) -> tuple[float, bool, int]:
         """(predicted time, pipelined?, split) with the best tokens/s for these CPU decodes."""

@@ -1,0 +1,165 @@
+"""Scheduler decisions under a synthetic performance model: placement, swaps, sub-batches, modes, fail-safe."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from neo_backend import EngineConfig, ModelConfig, SamplingParams
+from neo_backend.block_manager import BlockManager
+from neo_backend.host_kv import BlockSwapper, HostKVCache
+from neo_backend.perf_model import PerfModel
+from neo_backend.scheduler import CPU_BEHIND, Scheduler
+from neo_backend.sequence import Placement, Sequence
+
+BLOCK = 4
+TINY = ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=16, num_layers=1, num_heads=1, num_kv_heads=1,
+                   head_dim=4)
+
+
+def perf(dense_fixed=10e-3, dense_per_token=1e-5, cpu_per_token=1e-6, cpu_per_request=1e-5) -> PerfModel:
+    return PerfModel(dense_fixed=dense_fixed, dense_per_token=dense_per_token, gpu_attn_per_token=1e-7,
+                     cpu_attn_fixed=0.0, cpu_attn_per_request=cpu_per_request, cpu_attn_per_token=cpu_per_token)
+
+
+def make_scheduler(policy: str, gpu_blocks: int, cpu_blocks: int = 256, model: PerfModel | None = None,
+                   **knobs) -> Scheduler:
+    config = EngineConfig(offload_policy=policy, block_size=BLOCK, max_num_batched_tokens=64, **knobs)
+    shape = (gpu_blocks, BLOCK, 1, 4)
+    host = HostKVCache(TINY, cpu_blocks, BLOCK, torch.float32, pin=False)
+    swapper = BlockSwapper([torch.zeros(shape)], [torch.zeros(shape)], host, torch.device("cpu"))
+    return Scheduler(config, BlockManager(gpu_blocks, BLOCK, "gpu"), BlockManager(cpu_blocks, BLOCK, "cpu"),
+                     swapper, model or perf())
+
+
+def request(i: int, prompt_len: int = 6) -> Sequence:
+    return Sequence(f"r{i}", None, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=1000))
+
+
+def run_step(sched: Scheduler):
+    """What the engine does around the model: advance computed tokens, sample one token, offload."""
+    out = sched.schedule()
+    for seq, n in out.scheduled():
+        seq.num_computed_tokens += n
+        if seq.num_computed_tokens == len(seq.token_ids):
+            seq.token_ids.append(7)
+    sched.offload(out.offload_after_step)
+    return out
+
+
+def test_always_places_every_request_on_the_cpu_after_prefill():
+    sched = make_scheduler("always", gpu_blocks=32)
+    for i in range(3):
+        sched.add(request(i))
+    first = run_step(sched)
+    assert len(first.prefills) == 3 and first.offload_after_step
+    assert all(s.placement == Placement.CPU for s in sched.cpu_running) and len(sched.cpu_running) == 3
+    second = run_step(sched)
+    assert len(second.cpu_decodes) == 3 and not second.gpu_decodes
+    assert sched.gpu_blocks.num_used_blocks == 0, "device blocks return once the swap-out completes"
+
+
+def test_auto_keeps_requests_on_gpu_while_memory_is_plentiful():
+    sched = make_scheduler("auto", gpu_blocks=256)
+    for i in range(4):
+        sched.add(request(i))
+    for _ in range(5):
+        out = run_step(sched)
+    assert not sched.cpu_running and out.mode == "gpu_only" and len(out.gpu_decodes) == 4
+    assert sched.swap_out_blocks == 0
+
+
+def test_gpu_shortage_swaps_out_under_auto_and_preempts_under_never():
+    for policy, expect_swap in (("auto", True), ("never", False)):
+        sched = make_scheduler(policy, gpu_blocks=8)
+        for i in range(4):
+            sched.add(request(i, prompt_len=7))
+        for _ in range(12):
+            run_step(sched)
+        if expect_swap:
+            assert sched.swap_out_blocks > 0 and sched.cpu_running and sched.num_preemptions == 0
+        else:
+            assert sched.swap_out_blocks == 0 and sched.num_preemptions > 0
+
+
+def test_swap_in_when_room_returns_and_never_both_ways_in_one_iteration():
+    sched = make_scheduler("auto", gpu_blocks=12)
+    seqs = [request(i, prompt_len=7) for i in range(4)]
+    for s in seqs:
+        sched.add(s)
+    for _ in range(8):
+        run_step(sched)
+    assert sched.cpu_running
+    for s in list(sched.running):  # the GPU requests finish: room returns
+        sched.remove(s)
+    out_before = sched.swap_out_blocks
+    run_step(sched)
+    assert sched.swap_in_blocks > 0 and sched.running
+    assert sched.swap_out_blocks == out_before, "no request swapped both ways in one iteration"
+
+
+def test_pipelined_split_balances_cpu_attention_against_dense_work():
+    model = perf(dense_fixed=5e-3, dense_per_token=1e-5, cpu_per_token=2e-6, cpu_per_request=0.0)
+    sched = make_scheduler("always", gpu_blocks=64, model=model, pipeline="auto")
+    ready = [request(i, prompt_len=1000) for i in range(8)]
+    from neo_backend.scheduler import SchedulerOutput
+    out = SchedulerOutput()
+    sched._plan_cpu_decodes(out, ready)
+    assert out.pipelined and 0 < out.split < 8
+    ctx = [len(s.token_ids) for s in ready]
+    seq_time = model.sequential(0, 0, 8, sum(ctx))
+    assert out.predicted_time < seq_time
+    # the chosen split is the best of all splits
+    best = min(model.pipelined(0, 0, (k, sum(ctx[:k])), (8 - k, sum(ctx[k:]))) for k in range(9))
+    assert out.predicted_time == pytest.approx(best)
+
+
+def test_sequential_when_cpu_attention_is_cheap():
+    model = perf(dense_fixed=20e-3, cpu_per_token=1e-9, cpu_per_request=1e-7)
+    sched = make_scheduler("always", gpu_blocks=64, model=model)
+    from neo_backend.scheduler import SchedulerOutput
+    out = SchedulerOutput()
+    sched._plan_cpu_decodes(out, [request(i, 50) for i in range(8)])
+    assert not out.pipelined and len(out.cpu_decodes) == 8
+
+
+def _prefill_heavy_output(sched: Scheduler):
+    from neo_backend.scheduler import SchedulerOutput
+
+    prompt = request(100, 1000)
+    return SchedulerOutput(prefills=[(prompt, 1000)])
+
+
+def test_auto_admits_cpu_work_that_hides_under_the_gpu_and_never_starves():
+    model = perf(dense_fixed=2e-3, dense_per_token=2e-5, cpu_per_token=1e-6, cpu_per_request=1e-5)
+    sched = make_scheduler("auto", gpu_blocks=512, model=model)
+    cpu_ready = [request(i, 2000) for i in range(16)]
+    out = _prefill_heavy_output(sched)
+    sched._plan_cpu_decodes(out, list(cpu_ready))
+    gpu_alone = model.sequential(1000, 1000, 0, 0)
+    assert 0 < len(out.cpu_decodes) < 16 and out.pipelined
+    assert out.predicted_time <= gpu_alone * sched.config.cpu_latency_slack
+    seen = set()
+    for _ in range(8):
+        out = _prefill_heavy_output(sched)
+        sched._plan_cpu_decodes(out, list(cpu_ready))
+        seen |= {s.request_id for s in out.cpu_decodes}
+    assert seen == {s.request_id for s in cpu_ready}, "every CPU-request runs within a few iterations"
+
+
+def test_fail_safe_backs_off_when_the_cpu_is_slower_than_predicted():
+    model = perf(dense_fixed=2e-3, dense_per_token=2e-5, cpu_per_token=1e-6, cpu_per_request=1e-5)
+    sched = make_scheduler("auto", gpu_blocks=512, model=model)
+    cpu_ready = [request(i, 2000) for i in range(16)]
+    healthy = _prefill_heavy_output(sched)
+    sched._plan_cpu_decodes(healthy, list(cpu_ready))
+    for _ in range(10):  # the CPU is hogged: attention takes 5x the prediction
+        model.observe_cpu(predicted=1e-3 * model.cpu_correction, measured=5e-3)
+    assert model.cpu_correction > CPU_BEHIND and sched.cpu_behind
+    sched._skipped.clear()
+    slowed = _prefill_heavy_output(sched)
+    sched._plan_cpu_decodes(slowed, list(cpu_ready))
+    assert len(slowed.cpu_decodes) < len(healthy.cpu_decodes)
+    assert slowed.predicted_time <= model.sequential(1000, 1000, 0, 0) * sched.config.cpu_latency_slack
+    for _ in range(20):  # the hog is gone: the correction recovers
+        model.observe_cpu(predicted=1e-3 * model.cpu_correction, measured=1e-3)
+    assert model.cpu_correction == pytest.approx(1.0, rel=0.05) and not sched.cpu_behind
