@@ -1,0 +1,139 @@
+"""asyncio client: `async for delta in AsyncNeoClient(url).stream(prompt, {...})`.
+
+Each request is its own gRPC stream on the client's one channel, so any number may run concurrently.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from types import TracebackType
+from typing import Any, AsyncIterator, Mapping
+
+import grpc
+import tritonclient.grpc.aio as aioclient
+from tritonclient.utils import InferenceServerException
+
+from .errors import RequestTimeoutError
+from .protocol import (DEFAULT_MODEL, DEFAULT_TIMEOUT_S, GenerationResult, ResponseAccumulator, build_inputs,
+                       default_url, model_not_ready, translate_error)
+
+_STREAM_DEADLINE_GRACE_S = 5.0
+
+
+class AsyncNeoClient:
+    """A connection to one Triton server and model; `await close()` (or `async with`) when done."""
+
+    def __init__(self, url: str | None = None, model: str = DEFAULT_MODEL, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+        self.url = url or default_url()
+        self.model = model
+        self.timeout = timeout
+        self._client = aioclient.InferenceServerClient(self.url)
+
+    async def check_ready(self) -> None:
+        """Raise `ServerUnreachableError` or `ModelNotFoundError` unless the model can take requests now."""
+        try:
+            await self._client.is_server_live(client_timeout=self.timeout)
+            if await self._client.is_model_ready(self.model, client_timeout=self.timeout):
+                return
+            index = await self._client.get_model_repository_index(as_json=True, client_timeout=self.timeout)
+        except InferenceServerException as exc:
+            raise translate_error(exc, self.url, self.model, self.timeout) from None
+        raise model_not_ready(self.url, self.model, index)
+
+    def stream(self, prompt: str, sampling: Mapping[str, Any] | None = None, request_id: str | None = None,
+               timeout: float | None = None) -> AsyncStream:
+        return AsyncStream(self, prompt, sampling, request_id or uuid.uuid4().hex,
+                           self.timeout if timeout is None else timeout)
+
+    async def generate(self, prompt: str, sampling: Mapping[str, Any] | None = None,
+                       timeout: float | None = None) -> GenerationResult:
+        async with self.stream(prompt, sampling, timeout=timeout) as s:
+            async for _ in s:
+                pass
+        assert s.result is not None
+        return s.result
+
+    async def close(self) -> None:
+        await self._client.close()
+
+    async def __aenter__(self) -> AsyncNeoClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+class AsyncStream:
+    """One request in flight: `async for` yields text deltas, then `result` holds the outcome.
+
+    Leaving early (break, an exception, task cancellation, `aclose()`) cancels the gRPC call, which cancels the
+    request on the server.
+    """
+
+    def __init__(self, owner: AsyncNeoClient, prompt: str, sampling: Mapping[str, Any] | None, request_id: str,
+                 timeout: float) -> None:
+        self._owner = owner
+        self._prompt = prompt
+        self._sampling = sampling
+        self.request_id = request_id
+        self.timeout = timeout
+        self.result: GenerationResult | None = None
+        self._iterator: AsyncIterator[str] | None = None
+
+    def __aiter__(self) -> AsyncIterator[str]:
+        if self._iterator is None:
+            self._iterator = self._run()
+        return self._iterator
+
+    async def aclose(self) -> None:
+        """Cancel the request if it is still running."""
+        if self._iterator is not None:
+            await self._iterator.aclose()  # type: ignore[attr-defined]
+
+    async def __aenter__(self) -> AsyncStream:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.aclose()
+
+    async def _run(self) -> AsyncIterator[str]:
+        owner = self._owner
+
+        async def one_request() -> AsyncIterator[dict[str, Any]]:
+            yield {"model_name": owner.model, "inputs": build_inputs(self._prompt, self._sampling),
+                   "request_id": self.request_id}
+
+        acc = ResponseAccumulator(self.request_id)
+        deadline = acc.start_time + self.timeout
+        responses = owner._client.stream_infer(one_request(), stream_timeout=self.timeout + _STREAM_DEADLINE_GRACE_S)
+        finished = False
+        try:
+            while not acc.done:
+                remaining = max(0.0, deadline - time.perf_counter())
+                try:
+                    result, error = await asyncio.wait_for(responses.__anext__(), remaining)
+                except asyncio.TimeoutError:
+                    raise RequestTimeoutError(
+                        f"request {self.request_id} to {owner.url} did not complete within {self.timeout:g} s and "
+                        "was cancelled; raise the timeout or lower max_tokens") from None
+                except StopAsyncIteration:
+                    raise translate_error(InferenceServerException(
+                        "the server closed the stream before the request finished"),
+                        owner.url, owner.model, self.timeout) from None
+                if error is not None:
+                    raise translate_error(error, owner.url, owner.model, self.timeout)
+                delta = acc.feed(result, time.perf_counter())
+                if delta:
+                    yield delta
+            self.result = acc.result(time.perf_counter())
+            finished = True
+        except InferenceServerException as exc:
+            raise translate_error(exc, owner.url, owner.model, self.timeout) from None
+        except grpc.RpcError as exc:  # the aio stream lets transport errors through unwrapped
+            error = InferenceServerException(msg=exc.details(), status=str(exc.code()))
+            raise translate_error(error, owner.url, owner.model, self.timeout) from None
+        finally:
+            if not finished:
+                responses.cancel()
