@@ -48,7 +48,8 @@ def _decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale) -> to
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size, TOKENS=tokens_per_iter, num_warps=4, num_stages=2)
+        BLOCK_SIZE=block_size, TOKENS=tokens_per_iter,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2)
     return out
 
 
@@ -57,7 +58,7 @@ if triton is not None:
     def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, scale,
                              stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_tb, stride_ob, stride_oh,
                              GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                             BLOCK_SIZE: tl.constexpr, TOKENS: tl.constexpr):
+                             BLOCK_SIZE: tl.constexpr, TOKENS: tl.constexpr, DOT_PRECISION: tl.constexpr):
         """One program = all query heads of one KV head of one sequence; online softmax over the context."""
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -77,14 +78,14 @@ if triton is not None:
             block = tl.load(tables_ptr + seq * stride_tb + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
             kv_offs = block * stride_kb + (pos % BLOCK_SIZE) * stride_kt + kv_head * stride_kh
             k = tl.load(k_ptr + kv_offs[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k)) * scale
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
             p = tl.exp(s - m_new[:, None])
             alpha = tl.exp(m - m_new)
             denom = denom * alpha + tl.sum(p, 1)
             v = tl.load(v_ptr + kv_offs[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m = m_new
         out = acc / denom[:, None]
         o_offs = seq * stride_ob + (kv_head * GROUP + heads)[:, None] * stride_oh + dims[None, :]

@@ -1,0 +1,125 @@
+"""Engine throughput on an offline trace, and (on CUDA) the decode step and prefill against the roofline.
+
+    python bench/engine.py                                   # embedded SmolLM2, a smoke figure on CPU
+    python bench/engine.py --device cuda --roofline          # Llama-3-8B-shaped dummy weights, bf16
+
+The trace: all requests arrive at once with random prompt token ids; each generates exactly --output-len
+tokens (ignore_eos). Prefill tokens/s counts steps that carry prefill work, decode tokens/s decode-only steps.
+With --roofline: the decode step at batch 64, context 1024, over its floor (weight bytes + KV bytes read)
+/ measured device copy bandwidth, and the prefill of 8 x 1000 tokens as a fraction of the measured bf16
+matmul rate in model FLOPs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+from common import LLAMA3_8B, device_copy_bandwidth, matmul_flops  # noqa: E402
+from neo_backend import EngineConfig, LLMEngine  # noqa: E402
+
+
+def run_trace(engine: LLMEngine, num_requests: int, prompt_len: int, output_len: int, seed: int = 0) -> dict:
+    rng = random.Random(seed)
+    vocab = min(engine.model_config.vocab_size, len(engine.tokenizer))
+    for _ in range(num_requests):
+        prompt = [rng.randrange(vocab) for _ in range(prompt_len)]
+        engine.add_request(prompt, {"max_tokens": output_len, "temperature": 0, "ignore_eos": True})
+    prefill_time = decode_time = 0.0
+    prefill_tokens = decode_tokens = 0
+    decode_steps: list[float] = []
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        t0 = time.perf_counter()
+        outputs = engine.step()
+        dt = time.perf_counter() - t0
+        last = engine.counters.last_iteration
+        if last.get("prefill_tokens"):
+            prefill_time += dt
+            prefill_tokens += last["prefill_tokens"]
+        else:
+            decode_time += dt
+            decode_tokens += len(outputs)
+            decode_steps.append(dt)
+    total = time.perf_counter() - start
+    return {
+        "requests": num_requests, "prompt_len": prompt_len, "output_len": output_len,
+        "prefill_tokens_per_s": prefill_tokens / prefill_time if prefill_time else None,
+        "decode_tokens_per_s": decode_tokens / decode_time if decode_time else None,
+        "output_tokens_per_s": num_requests * output_len / total,
+        "decode_step_median_ms": 1e3 * statistics.median(decode_steps) if decode_steps else None,
+        "prefill_time_s": prefill_time, "total_s": total,
+    }
+
+
+def roofline(engine: LLMEngine) -> dict:
+    device = engine.runner.device
+    cfg = engine.model_config
+    weight_bytes = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
+    kv_bytes_per_token = engine.runner.block_bytes // engine.config.block_size
+    copy_bw = device_copy_bandwidth(device)
+    peak = matmul_flops(device)
+
+    decode = run_trace(engine, 64, 1023, 9, seed=1)
+    floor_s = (weight_bytes + 64 * 1024 * kv_bytes_per_token) / copy_bw
+    decode_s = decode["decode_step_median_ms"] / 1e3
+
+    prefill = run_trace(engine, 8, 1000, 1, seed=2)
+    linear_params = sum(p.numel() for n, p in engine.runner.model.named_parameters()
+                        if n.endswith("proj.weight") or n == "lm_head.weight")
+    tokens = 8 * 1000
+    attention_flops = 8 * cfg.num_layers * 2 * 2 * cfg.num_heads * cfg.head_dim * 1000 * 1000 / 2
+    prefill_flops = 2 * linear_params * tokens + attention_flops
+    return {
+        "copy_bandwidth_GBps": copy_bw / 1e9, "matmul_TFLOPs": peak / 1e12,
+        "decode_step_ms": decode_s * 1e3, "decode_floor_ms": floor_s * 1e3,
+        "decode_step_over_floor": decode_s / floor_s,
+        "decode_tokens_per_s": decode["decode_tokens_per_s"],
+        "prefill_s": prefill["prefill_time_s"],
+        "prefill_fraction_of_matmul_peak": prefill_flops / prefill["prefill_time_s"] / peak,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-requests", type=int, default=16)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--roofline", action="store_true", help="decode/prefill against the device's ceilings")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    EngineConfig.add_cli_args(parser)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.roofline and args.model is None:
+        args.model, args.load_format = LLAMA3_8B, "dummy"
+        args.max_num_batched_tokens = args.max_num_batched_tokens or 8192
+        args.offload_policy = args.offload_policy or "never"
+    config = EngineConfig.from_cli_args(args)
+    engine = LLMEngine(config)
+    result = {"device": str(engine.runner.device), "dtype": str(engine.runner.dtype),
+              "model": config.model or "default (SmolLM2-135M-Instruct)"}
+    if engine.runner.device.type == "cuda":
+        result["gpu"] = torch.cuda.get_device_name(engine.runner.device)
+    if args.roofline:
+        result.update(roofline(engine))
+    else:
+        result.update(run_trace(engine, args.num_requests, args.prompt_len, args.output_len))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+    for key, value in result.items():
+        print(f"{key:32s} {value:.4g}" if isinstance(value, float) else f"{key:32s} {value}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# One device call on the lent H200 machine: builds the CPU kernel, checks the CUDA paths, then times the
+# kernel, the engine against its roofline, and the pipeline overlap. Logs and JSON land in $OUT.
+# Run from the repository root:  bash bench/h200.sh   (OUT defaults to bench/results/h200-run)
+set -u
+export PYTHONUNBUFFERED=1 OUT="${OUT:-bench/results/h200-run}"
+mkdir -p "$OUT"
+step() { local limit=$1; shift; echo "=== $* (limit ${limit}s)"; timeout "$limit" "$@"; echo "=== exit $?"; }
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  nproc; python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)'
+  step 120 python3 -m neo_backend.cpu_attention --build
+  step 240 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_cpu_attention.py
+  step 150 python3 bench/kernel.py --sweep --sweep-out "$OUT/kernel_sweep.csv"
+  step 240 python3 bench/engine.py --roofline --json "$OUT/engine.json"
+  step 240 python3 bench/pipeline_overlap.py --json "$OUT/pipeline.json"
+} 2>&1 | tee "$OUT/log.txt" | grep -v "^INFO\| INFO "

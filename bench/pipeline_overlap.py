@@ -1,0 +1,114 @@
+"""Does the asymmetric pipeline overlap? One iteration, timed three ways on the same sub-batches:
+
+- pipelined: the real executor, GPU dense work of one sub-batch under the CPU attention of the other;
+- GPU part alone: the same executor with the CPU attention answered instantly (no kernel);
+- CPU part alone: the CPU attention calls of that iteration, back to back, on captured inputs.
+
+    python bench/pipeline_overlap.py --device cuda      # Llama-3-8B-shaped dummy weights, bf16
+
+Prints, per CPU batch size, pipelined / max(GPU alone, CPU alone); 1.0 is perfect overlap.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+from common import LLAMA3_8B, placed_sequence, take_blocks, timed  # noqa: E402
+from neo_backend import EngineConfig, LLMEngine  # noqa: E402
+from neo_backend.host_kv import HostAttention  # noqa: E402
+from neo_backend.pipeline import PipelinedExecutor  # noqa: E402
+from neo_backend.sequence import Placement  # noqa: E402
+
+
+class CapturingHostAttention(HostAttention):
+    """Runs the real kernel and keeps each call's inputs, to replay the CPU part alone."""
+
+    def __init__(self, inner: HostAttention) -> None:
+        super().__init__(inner.host, inner.scale, inner.device, None)
+        self.calls: list[tuple] = []
+
+    def run(self, layer, batch, q, k, v):
+        self.calls.append((layer, batch, q.clone(), k.clone(), v.clone()))
+        return super().run(layer, batch, q, k, v)
+
+
+class InstantHostAttention(HostAttention):
+    """Answers the CPU attention at once: what the iteration costs the GPU alone."""
+
+    def __init__(self, inner: HostAttention) -> None:
+        super().__init__(inner.host, inner.scale, inner.device, None)
+
+    def run(self, layer, batch, q, k, v):
+        return torch.zeros_like(q)
+
+
+def build_iteration(engine: LLMEngine, gpu_decodes: int, cpu_decodes: int, context: int, split: int, seed: int):
+    rng = random.Random(seed)
+    runner = engine.runner
+    per_seq = (context + runner.block_size - 1) // runner.block_size
+    vocab = engine.model_config.vocab_size
+    gpu_pool = take_blocks(runner.num_gpu_blocks, gpu_decodes * per_seq, rng)
+    cpu_pool = take_blocks(runner.num_cpu_blocks, cpu_decodes * per_seq, rng)
+    gpu = [placed_sequence(f"g{i}", context, gpu_pool[i * per_seq:(i + 1) * per_seq], Placement.GPU, vocab)
+           for i in range(gpu_decodes)]
+    cpu = [placed_sequence(f"c{i}", context, cpu_pool[i * per_seq:(i + 1) * per_seq], Placement.CPU, vocab)
+           for i in range(cpu_decodes)]
+    return [runner.prepare([], gpu, cpu[:split]).sub, runner.prepare([], [], cpu[split:]).sub]
+
+
+def measure(engine: LLMEngine, gpu_decodes: int, cpu_decodes: int, context: int) -> dict:
+    runner = engine.runner
+    device, model = runner.device, runner.model
+    split = 0
+    subs = build_iteration(engine, gpu_decodes, cpu_decodes, context, split, seed=cpu_decodes)
+    real = PipelinedExecutor(runner.host_attention)
+    instant = PipelinedExecutor(InstantHostAttention(runner.host_attention))
+    capture = CapturingHostAttention(runner.host_attention)
+    with torch.inference_mode():
+        pipelined = timed(lambda: real.run(model, subs), device)
+        gpu_alone = timed(lambda: instant.run(model, subs), device)
+        PipelinedExecutor(capture).run(model, subs)
+        sync_calls = capture.calls
+        cpu_alone = timed(lambda: [runner.host_attention.run(*c) for c in sync_calls], device)
+    for executor in (real, instant):
+        executor.shutdown()
+    return {"gpu_decodes": gpu_decodes, "cpu_decodes": cpu_decodes, "context": context,
+            "pipelined_ms": pipelined * 1e3, "gpu_alone_ms": gpu_alone * 1e3, "cpu_alone_ms": cpu_alone * 1e3,
+            "overlap_ratio": pipelined / max(gpu_alone, cpu_alone)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gpu-decodes", type=int, default=64)
+    parser.add_argument("--cpu-decodes", type=int, nargs="+", default=[8, 16, 32])
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--json", type=Path)
+    EngineConfig.add_cli_args(parser)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.model is None:
+        args.model, args.load_format = LLAMA3_8B, "dummy"
+    args.offload_policy = "always"
+    args.cpu_kv_cache_gb = args.cpu_kv_cache_gb or 8
+    engine = LLMEngine(EngineConfig.from_cli_args(args))
+    rows = [measure(engine, args.gpu_decodes, n, args.context) for n in args.cpu_decodes]
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    print(f"{'gpu':>5} {'cpu':>5} {'ctx':>6} {'pipelined_ms':>13} {'gpu_alone_ms':>13} {'cpu_alone_ms':>13} ratio")
+    for r in rows:
+        print(f"{r['gpu_decodes']:5d} {r['cpu_decodes']:5d} {r['context']:6d} {r['pipelined_ms']:13.2f} "
+              f"{r['gpu_alone_ms']:13.2f} {r['cpu_alone_ms']:13.2f} {r['overlap_ratio']:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
