@@ -31,8 +31,9 @@ class HostKVCache:
             raise ConfigError(f"cpu_kv_cache_gb asks for {nbytes / 2**30:.1f} GiB of host memory but only "
                               f"{available / 2**30:.1f} GiB is available; lower cpu_kv_cache_gb")
         start = time.monotonic()
-        self.k_caches = [torch.zeros(shape, dtype=dtype, pin_memory=pin) for _ in range(cfg.num_layers)]
-        self.v_caches = [torch.zeros(shape, dtype=dtype, pin_memory=pin) for _ in range(cfg.num_layers)]
+        # Left uninitialized: the kernel reads only slots below a context length, all written before.
+        self.k_caches = [torch.empty(shape, dtype=dtype, pin_memory=pin) for _ in range(cfg.num_layers)]
+        self.v_caches = [torch.empty(shape, dtype=dtype, pin_memory=pin) for _ in range(cfg.num_layers)]
         self.num_blocks = num_blocks
         log.info("host KV pool: %d blocks x %d tokens (%.2f GiB%s) in %.1fs", num_blocks, block_size,
                  nbytes / 2 ** 30, ", pinned" if pin else "", time.monotonic() - start)

@@ -61,6 +61,9 @@ class ModelRunner:
             log.warning("head_dim %d has no CPU attention kernel (supported: %s); offloading is off",
                         model_cfg.head_dim, cpu_attention.SUPPORTED_HEAD_DIMS)
             num_cpu_blocks = 0
+        elif config.offload_policy == "auto" and self.device.type == "cpu" and config.num_gpu_blocks is None:
+            log.info("offload_policy auto on a CPU device with no num_gpu_blocks limit: nothing to offload")
+            num_cpu_blocks = 0
         if config.offload_policy != "never" and num_cpu_blocks > 0:
             self.host_cache = HostKVCache(model_cfg, num_cpu_blocks, self.block_size, self.dtype,
                                           pin=self.device.type == "cuda")
