@@ -31,6 +31,8 @@ def decode_attention_reference(q, k_cache, v_cache, block_tables, context_lens, 
     k = k_cache[tables].flatten(1, 2)[:, :max_len]
     v = v_cache[tables].flatten(1, 2)[:, :max_len]
     mask = torch.arange(max_len, device=q.device)[None, :] < context_lens[:, None].to(q.device)
+    k = k.masked_fill(~mask[:, :, None, None], 0)  # slots past a context may hold anything, NaN included
+    v = v.masked_fill(~mask[:, :, None, None], 0)
     out = F.scaled_dot_product_attention(
         q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None, None, :], scale=scale,
         enable_gqa=q.shape[1] != k.shape[2])
