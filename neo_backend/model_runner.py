@@ -9,6 +9,7 @@ import torch
 
 from . import cpu_attention
 from .config import EngineConfig, ModelConfig
+from .cuda_graphs import DecodeGraphs
 from .host_kv import BlockSwapper, HostAttention, HostDecodeBatch, HostKVCache, host_available_bytes
 from .layers.attention import AttentionMetadata, PrefillChunk
 from .layers.sampler import SampleResult, Sampler
@@ -49,7 +50,8 @@ class ModelRunner:
         self.model = load_model(source, model_cfg, max_model_len, self.dtype, self.device)
         self.sampler = Sampler(eos_token_ids, config.default_seed)
         self.num_gpu_blocks = config.num_gpu_blocks or self._profile_num_blocks()
-        self.k_caches, self.v_caches = self._allocate_kv(self.num_gpu_blocks)
+        # one block beyond the pool: the scratch block that padded CUDA-graph rows write to
+        self.k_caches, self.v_caches = self._allocate_kv(self.num_gpu_blocks + 1)
         log.info("device KV pool: %d blocks x %d tokens (%.2f GiB, %s on %s)", self.num_gpu_blocks,
                  self.block_size, self.num_gpu_blocks * self.block_bytes / 2 ** 30, self.dtype, self.device)
         self.host_cache: HostKVCache | None = None
@@ -71,6 +73,12 @@ class ModelRunner:
             self.host_attention = HostAttention(self.host_cache, model_cfg.head_dim ** -0.5, self.device,
                                                 config.cpu_attention_threads)
             self.pipeline = PipelinedExecutor(self.host_attention)
+
+        self.decode_graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.decode_graphs = DecodeGraphs(self.model, self.device, config.max_num_seqs,
+                                              (max_model_len + self.block_size - 1) // self.block_size,
+                                              scratch_block=self.num_gpu_blocks, block_size=self.block_size)
 
     @property
     def num_cpu_blocks(self) -> int:
@@ -142,9 +150,14 @@ class ModelRunner:
             sample_seqs = subs[0].sample_seqs + subs[1].sample_seqs
         else:
             step = self.prepare(batch.prefills, batch.gpu_decodes, batch.cpu_decodes)
-            if step.sub.host_batch is not None:
-                step.sub.meta.host_attention = partial(self.host_attention, batch=step.sub.host_batch)
-            hidden = self.model(step.sub.input_ids, step.sub.positions, step.sub.meta)[step.sample_rows]
+            sub = step.sub
+            if sub.host_batch is not None:
+                sub.meta.host_attention = partial(self.host_attention, batch=sub.host_batch)
+            if self.decode_graphs is not None and not batch.prefills and not batch.cpu_decodes and \
+                    self.decode_graphs.can_run(len(batch.gpu_decodes)):
+                hidden = self.decode_graphs.run(sub.input_ids, sub.positions, sub.meta)
+            else:
+                hidden = self.model(sub.input_ids, sub.positions, sub.meta)[step.sample_rows]
             sample_seqs = step.sample_seqs
         if not sample_seqs:
             return [], None
