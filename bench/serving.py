@@ -1,0 +1,178 @@
+"""Serving benchmark: a seeded trace with Poisson arrivals replayed in-process against the streaming front,
+swept over request rates, for several offload policies on the same model, trace and knobs.
+
+    python bench/serving.py --gpu-memory-gb 24 --rates 1 2 4 6 8 --policies never auto always
+
+Per rate: requests/s, output tokens/s, mean per-token latency (the NEO paper's metric: mean over requests of
+(end - start) / output tokens), P50/P99 TTFT and TPOT. Per policy: the highest rate whose P99 TPOT stays under
+the SLO (default 1.5x the GPU-only P99 TPOT at the lowest rate), and the ratio of throughputs at those rates.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import statistics
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import LLAMA3_8B  # noqa: E402
+from neo_backend import EngineConfig  # noqa: E402
+from neo_backend.streaming import StreamingEngine  # noqa: E402
+
+ACTIVATION_RESERVE_GB = 2.0
+
+
+@dataclass
+class Record:
+    start: float
+    first: float | None = None
+    end: float | None = None
+    tokens: int = 0
+    error: str | None = None
+
+
+def make_trace(num: int, rate: float, workload: str, vocab: int, seed: int, fixed: tuple[int, int] = (256, 128)
+               ) -> list[tuple[float, list[int], int]]:
+    """(arrival offset, prompt ids, output tokens): the NEO paper's A10G workload is input 1000, outputs
+    uniform 50..400 then +-10%; `fixed` is (input, output) tokens."""
+    rng = random.Random(seed)
+    t, trace = 0.0, []
+    for _ in range(num):
+        t += rng.expovariate(rate)
+        if workload == "a10g":
+            prompt_len, out = 1000, int(rng.uniform(50, 400) * rng.uniform(0.9, 1.1))
+        else:
+            prompt_len, out = fixed
+        trace.append((t, [rng.randrange(vocab) for _ in range(prompt_len)], out))
+    return trace
+
+
+def replay(front: StreamingEngine, trace, timeout_s: float) -> list[Record]:
+    records = [Record(0.0) for _ in trace]
+    threads = []
+    t0 = time.perf_counter()
+
+    def consume(i: int, prompt: list[int], out_len: int) -> None:
+        rec = records[i]
+        rec.start = time.perf_counter()
+        try:
+            stream = front.submit(prompt, {"max_tokens": out_len, "temperature": 0, "ignore_eos": True})
+            for out in stream:
+                now = time.perf_counter()
+                if out.token_ids and rec.first is None:
+                    rec.first = now
+                rec.tokens += len(out.token_ids)
+                if out.error:
+                    rec.error = out.error
+        except Exception as exc:  # recorded, counted as a failure in the report
+            rec.error = f"{type(exc).__name__}: {exc}"
+        rec.end = time.perf_counter()
+
+    for i, (offset, prompt, out_len) in enumerate(trace):
+        delay = t0 + offset - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        th = threading.Thread(target=consume, args=(i, prompt, out_len), daemon=True)
+        th.start()
+        threads.append(th)
+    deadline = time.perf_counter() + timeout_s
+    for th in threads:
+        th.join(max(0.0, deadline - time.perf_counter()))
+    return records
+
+
+def pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q / 100 * len(values)))]
+
+
+def summarize(records: list[Record]) -> dict:
+    done = [r for r in records if r.end and not r.error and r.tokens]
+    span = max(r.end for r in done) - min(r.start for r in done) if done else float("nan")
+    ttft = [r.first - r.start for r in done if r.first]
+    tpot = [(r.end - r.first) / (r.tokens - 1) for r in done if r.first and r.tokens > 1]
+    return {
+        "completed": len(done), "failed": len(records) - len(done),
+        "requests_per_s": len(done) / span, "output_tokens_per_s": sum(r.tokens for r in done) / span,
+        "mean_per_token_latency_s": statistics.mean((r.end - r.start) / r.tokens for r in done) if done else None,
+        "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
+        "tpot_p50_s": pct(tpot, 50), "tpot_p99_s": pct(tpot, 99),
+    }
+
+
+def kv_blocks_for(gpu_memory_gb: float, config: EngineConfig) -> int:
+    """KV blocks an emulated GPU of `gpu_memory_gb` has left after bf16 weights and an activation reserve."""
+    from neo_backend.config import ModelConfig
+    cfg = ModelConfig.from_hf(json.loads((Path(config.model) / "config.json").read_text()))
+    params = (cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2) + cfg.num_layers * (
+        cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+        + cfg.num_heads * cfg.head_dim * cfg.hidden_size + 3 * cfg.hidden_size * cfg.intermediate_size))
+    block_bytes = 2 * cfg.num_layers * config.block_size * cfg.num_kv_heads * cfg.head_dim * 2
+    free = gpu_memory_gb * 2 ** 30 - 2 * params - ACTIVATION_RESERVE_GB * 2 ** 30
+    return max(1, int(free // block_bytes))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--policies", nargs="+", default=["never", "auto"])
+    parser.add_argument("--rates", nargs="+", type=float, default=[1, 2, 4, 8])
+    parser.add_argument("--num-requests", type=int, default=200)
+    parser.add_argument("--workload", choices=["a10g", "fixed"], default="a10g")
+    parser.add_argument("--fixed", nargs=2, type=int, default=[256, 128], metavar=("INPUT", "OUTPUT"))
+    parser.add_argument("--gpu-memory-gb", type=float, help="emulate a GPU of this size (sets num_gpu_blocks)")
+    parser.add_argument("--slo-factor", type=float, default=1.5)
+    parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--json", type=Path)
+    EngineConfig.add_cli_args(parser)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.model is None:
+        args.model, args.load_format = LLAMA3_8B, "dummy"
+    results: dict[str, list[dict]] = {}
+    for policy in args.policies:
+        args.offload_policy = policy
+        config = EngineConfig.from_cli_args(args)
+        if args.gpu_memory_gb:
+            config.num_gpu_blocks = kv_blocks_for(args.gpu_memory_gb, config)
+        front = StreamingEngine(config)
+        vocab = min(front.engine.model_config.vocab_size, len(front.engine.tokenizer))
+        results[policy] = []
+        for rate in args.rates:
+            trace = make_trace(args.num_requests, rate, args.workload, vocab, int(rate * 1000), tuple(args.fixed))
+            row = {"rate": rate, **summarize(replay(front, trace, args.timeout)),
+                   "stats": {k: v for k, v in front.engine.stats_snapshot().items() if k != "last_iteration"}}
+            results[policy].append(row)
+            print(f"{policy:7s} rate {rate:6.2f}: {row['requests_per_s']:.2f} req/s {row['output_tokens_per_s']:.0f} "
+                  f"tok/s  TPOT p99 {row['tpot_p99_s']}  TTFT p99 {row['ttft_p99_s']}  failed {row['failed']}",
+                  flush=True)
+        front.shutdown()
+        del front
+    base = results.get("never") or next(iter(results.values()))
+    slo = args.slo_factor * base[0]["tpot_p99_s"]
+    best = {}
+    for policy, rows in results.items():
+        ok = [r for r in rows if r["tpot_p99_s"] is not None and r["tpot_p99_s"] <= slo and not r["failed"]]
+        best[policy] = max((r["output_tokens_per_s"] for r in ok), default=0.0)
+    report = {"slo_tpot_p99_s": slo, "best_throughput_under_slo": best, "results": results,
+              "num_gpu_blocks": config.num_gpu_blocks, "args": {k: str(v) for k, v in vars(args).items()}}
+    if best.get("never"):
+        report["ratios_over_never"] = {p: b / best["never"] for p, b in best.items()}
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1, default=str))
+    print(json.dumps({"slo_tpot_p99_s": slo, "best_throughput_under_slo": best,
+                      "ratios_over_never": report.get("ratios_over_never")}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
