@@ -1,0 +1,251 @@
+// NEO CPU paged decode-attention library: plain C ABI, runtime ISA dispatch, OpenMP threads.
+// Layout, dispatch and the work split are described in README.md; the per-ISA kernel is attention_impl.h.
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <new>
+#include <vector>
+
+#include "common.h"
+
+// Each ISA gets its own namespace holding a `struct Vec` and the kernel templates, compiled inside a
+// target region: one .so carries all three and runs on any x86-64.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
+// GCC 12's AVX-512 headers self-initialise `undefined` registers, which -Wmaybe-uninitialized flags.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+namespace isa_avx512 {
+using namespace neo;
+#include "simd_avx512.h"
+#include "attention_impl.h"
+}  // namespace isa_avx512
+#pragma GCC diagnostic pop
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace isa_avx2 {
+using namespace neo;
+#include "simd_avx2.h"
+#include "attention_impl.h"
+}  // namespace isa_avx2
+#pragma GCC pop_options
+
+namespace isa_scalar {
+using namespace neo;
+#include "simd_scalar.h"
+#include "attention_impl.h"
+}  // namespace isa_scalar
+
+namespace {
+
+using namespace neo;
+
+enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+enum Status : int { kOk = 0, kUnsupported = 1, kNoMemory = 2, kBadArgument = 3 };
+
+int detect_isa() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("f16c"))
+    return kAvx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+    return kAvx2;
+  return kScalar;
+}
+
+const int g_max_isa = detect_isa();
+std::atomic<int> g_isa{g_max_isa};
+
+ItemFn select_item_fn(int kv_dtype, int D) {
+  switch (g_isa.load()) {
+    case kAvx512: return isa_avx512::item_fn(kv_dtype, D);
+    case kAvx2: return isa_avx2::item_fn(kv_dtype, D);
+    default: return isa_scalar::item_fn(kv_dtype, D);
+  }
+}
+
+ReadSumFn select_read_sum() {
+  switch (g_isa.load()) {
+    case kAvx512: return &isa_avx512::read_sum;
+    case kAvx2: return &isa_avx2::read_sum;
+    default: return &isa_scalar::read_sum;
+  }
+}
+
+// Work split. With split_long, sequences longer than kPartTokens become segments of at most that many
+// tokens, merged afterwards by log-sum-exp, so one long request does not serialise the batch. The split
+// depends on the sequence alone, never on the thread count: results are bitwise the same for any number
+// of threads. With few work units the KV heads are split too (exact: heads are independent). Items run
+// longest first (dynamic schedule, LPT order).
+struct Plan {
+  std::vector<WorkItem> items;
+  std::vector<int> seg_first;  // per sequence: first segment index (unused when not split)
+  std::vector<int> seg_count;  // per sequence: number of segments
+  std::vector<int> pending;    // per merge slot (split sequence x head range): items to wait for
+  int num_segments = 0;
+};
+
+// About 2 MiB of fp16 KV for 8 KV heads of 128: long enough that the merge (one [Hq, D] row set per
+// segment) costs under 1%, short enough to balance a handful of long requests over 16 threads.
+constexpr long kPartTokens = 512;
+
+Plan make_plan(const AttnParams& P, int threads, bool split_long) {
+  Plan plan;
+  std::vector<int> nblocks(P.B);
+  for (int b = 0; b < P.B; ++b) nblocks[b] = (P.context_lens[b] + P.block_size - 1) / P.block_size;
+  const long part = split_long ? std::max(1L, kPartTokens / P.block_size) : long(P.max_blocks) + 1;
+  plan.seg_first.assign(P.B, 0);
+  plan.seg_count.assign(P.B, 1);
+  struct Range { int seq, begin, end, segment; };
+  std::vector<Range> ranges;
+  for (int b = 0; b < P.B; ++b) {
+    const int k = int((nblocks[b] + part - 1) / part);
+    if (k <= 1) {
+      ranges.push_back({b, 0, nblocks[b], -1});
+      continue;
+    }
+    plan.seg_first[b] = plan.num_segments;
+    plan.seg_count[b] = k;
+    for (int i = 0; i < k; ++i)
+      ranges.push_back({b, int(long(nblocks[b]) * i / k), int(long(nblocks[b]) * (i + 1) / k), plan.num_segments++});
+  }
+  int hsplit = 1;
+  while (threads > 1 && long(ranges.size()) * hsplit < 2L * threads && hsplit < P.Hkv) {
+    do ++hsplit; while (P.Hkv % hsplit != 0);
+  }
+  const int hstep = P.Hkv / hsplit;
+  std::vector<int> slot_of_seq(P.B, -1);
+  plan.items.reserve(ranges.size() * hsplit);
+  for (const Range& r : ranges) {
+    if (r.segment >= 0 && slot_of_seq[r.seq] < 0) {
+      slot_of_seq[r.seq] = int(plan.pending.size());
+      plan.pending.insert(plan.pending.end(), hsplit, plan.seg_count[r.seq]);
+    }
+    for (int h = 0, hg = 0; h < P.Hkv; h += hstep, ++hg)
+      plan.items.push_back({r.seq, r.begin, r.end, h, h + hstep, r.segment, r.segment >= 0 ? slot_of_seq[r.seq] + hg : -1});
+  }
+  std::stable_sort(plan.items.begin(), plan.items.end(), [](const WorkItem& a, const WorkItem& b) {
+    return a.blk_end - a.blk_begin > b.blk_end - b.blk_begin;
+  });
+  return plan;
+}
+
+// Per-thread scratch, kept between calls (OpenMP pool threads persist) and grown on demand, so calls
+// allocate nothing in steady state. Returns false when memory ran out.
+bool thread_scratch(const AttnParams& P, Scratch& sc) {
+  thread_local void* mem = nullptr;
+  thread_local size_t cap = 0;
+  const int bsp = (P.block_size + kMaxLanes - 1) / kMaxLanes * kMaxLanes;
+  const size_t hd = size_t(P.Hq) * P.D;
+  const size_t sizes[] = {hd, hd, size_t(P.Hq), size_t(P.Hq), size_t(kMaxGroup) * bsp * kMaxLanes,
+                          size_t(kMaxGroup) * bsp};
+  size_t bytes = 0;
+  for (size_t n : sizes) bytes += (n * sizeof(float) + 63) / 64 * 64;
+  if (bytes > cap) {
+    std::free(mem);
+    mem = std::aligned_alloc(64, bytes);
+    cap = mem ? bytes : 0;
+    if (!mem) return false;
+  }
+  float** dst[] = {&sc.q, &sc.acc, &sc.m, &sc.l, &sc.part, &sc.s};
+  char* p = static_cast<char*>(mem);
+  for (int i = 0; i < 6; ++i) {
+    *dst[i] = reinterpret_cast<float*>(p);
+    p += (sizes[i] * sizeof(float) + 63) / 64 * 64;
+  }
+  sc.bsp = bsp;
+  return true;
+}
+
+int run_attention(const AttnParams& P, int num_threads, bool split_long) {
+  const ItemFn fn = select_item_fn(P.kv_dtype, P.D);
+  if (!fn) return kUnsupported;
+  const Plan plan = make_plan(P, num_threads, split_long);
+  thread_local std::vector<float> seg_buf;  // per calling thread: concurrent callers stay independent
+  seg_buf.resize(size_t(plan.num_segments) * P.Hq * (P.D + 2));
+  std::vector<std::atomic<int>> pending(plan.pending.size());
+  for (size_t i = 0; i < pending.size(); ++i) pending[i].store(plan.pending[i], std::memory_order_relaxed);
+  const Segments segs{seg_buf.data(), pending.data(), plan.seg_first.data(), plan.seg_count.data()};
+  const int n_items = int(plan.items.size());
+  const int threads = std::max(1, std::min(num_threads, n_items));
+  std::atomic<int> status{kOk};
+#pragma omp parallel num_threads(threads)
+  {
+    Scratch sc{};
+    const bool ok = thread_scratch(P, sc);
+    if (!ok) status.store(kNoMemory);
+    // Split sequences are merged by their last item, so there is no barrier between items and merges.
+#pragma omp for schedule(dynamic, 1) nowait
+    for (int i = 0; i < n_items; ++i)
+      if (ok) fn(P, plan.items[i], sc, segs);
+  }
+  return status.load();
+}
+
+}  // namespace
+
+#define NEO_API extern "C" __attribute__((visibility("default")))
+
+// Bumped whenever a signature below changes; the Python binding refuses a mismatched library.
+NEO_API int neo_abi_version(void) { return 1; }
+
+// 0 scalar, 1 AVX2+FMA+F16C, 2 AVX-512: the path in use, and the best one this CPU supports.
+NEO_API int neo_isa(void) { return g_isa.load(); }
+NEO_API int neo_max_isa(void) { return g_max_isa; }
+
+// Forces a path at or below neo_max_isa() (tests use it to cover every path). Returns 0, or -1 if refused.
+NEO_API int neo_set_isa(int isa) {
+  if (isa < kScalar || isa > g_max_isa) return -1;
+  g_isa.store(isa);
+  return 0;
+}
+
+// Decode attention for B sequences, one query token each. Inputs are validated by the Python binding;
+// this only refuses what it cannot compute. Returns a Status code.
+NEO_API int neo_paged_attention(const void* q, int q_dtype, const void* k_cache, const void* v_cache, int kv_dtype,
+                                const int32_t* block_tables, const int32_t* context_lens, void* out, int B, int Hq,
+                                int Hkv, int D, int block_size, int max_blocks, float scale, int num_threads,
+                                int split_long) {
+  if (B < 0 || Hq <= 0 || Hkv <= 0 || Hq % Hkv != 0 || Hq / Hkv > 4096 || block_size <= 0 || max_blocks < 0 ||
+      num_threads <= 0)
+    return kBadArgument;
+  if (B == 0) return kOk;
+  const AttnParams P{q, q_dtype, k_cache, v_cache, kv_dtype, block_tables, context_lens, out,
+                     B, Hq, Hkv, D, block_size, max_blocks, scale};
+  try {
+    return run_attention(P, num_threads, split_long != 0);
+  } catch (const std::bad_alloc&) {
+    return kNoMemory;
+  }
+}
+
+// Writes each new token's k/v rows ([Hkv, D], row_bytes each) at slot = block_id * block_size + offset.
+NEO_API int neo_append_kv(const void* k, const void* v, void* k_cache, void* v_cache, const int64_t* slots, int B,
+                          size_t row_bytes) {
+  for (int i = 0; i < B; ++i) {
+    const size_t dst = size_t(slots[i]) * row_bytes, src = size_t(i) * row_bytes;
+    std::memcpy(static_cast<char*>(k_cache) + dst, static_cast<const char*>(k) + src, row_bytes);
+    std::memcpy(static_cast<char*>(v_cache) + dst, static_cast<const char*>(v) + src, row_bytes);
+  }
+  return kOk;
+}
+
+// STREAM-like read: sums n floats with num_threads threads (static split, same ISA path as the kernel).
+// The sum is returned so the reads cannot be optimised away.
+NEO_API double neo_stream_read(const float* p, size_t n, int num_threads) {
+  const ReadSumFn fn = select_read_sum();
+  const int threads = std::max(1, num_threads);
+  double total = 0.0;
+#pragma omp parallel for num_threads(threads) schedule(static, 1) reduction(+ : total)
+  for (int i = 0; i < threads; ++i) {
+    const size_t begin = n * i / threads / 16 * 16, end = i + 1 == threads ? n : n * (i + 1) / threads / 16 * 16;
+    total += fn(p + begin, end - begin);
+  }
+  return total;
+}
