@@ -5,13 +5,14 @@
 set -u
 export PYTHONUNBUFFERED=1 OUT="${OUT:-bench/results/h200-run}"
 mkdir -p "$OUT"
+# The dummy 8B shape has no tokenizer; give it one (the default model's, converted: `make model` caches it).
+TOKENIZER="${TOKENIZER:-.carry/tokenizer}"
 step() { local limit=$1; shift; echo "=== $* (limit ${limit}s)"; timeout "$limit" "$@"; echo "=== exit $?"; }
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   nproc; python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)'
   step 120 python3 -m neo_backend.cpu_attention --build
-  step 240 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_cpu_attention.py
-  step 150 python3 bench/kernel.py --sweep --sweep-out "$OUT/kernel_sweep.csv"
-  step 240 python3 bench/engine.py --roofline --json "$OUT/engine.json"
-  step 240 python3 bench/pipeline_overlap.py --json "$OUT/pipeline.json"
+  step 150 python3 -m pytest -q -x -p no:cacheprovider tests/test_cuda.py
+  step 170 python3 bench/engine.py --roofline --tokenizer "$TOKENIZER" --json "$OUT/engine.json"
+  step 170 python3 bench/pipeline_overlap.py --tokenizer "$TOKENIZER" --json "$OUT/pipeline.json"
 } 2>&1 | tee "$OUT/log.txt" | grep -v "^INFO\| INFO "

@@ -4,11 +4,12 @@
 set -u
 export PYTHONUNBUFFERED=1 OUT="${OUT:-bench/results/h200-run}"
 mkdir -p "$OUT"
+TOKENIZER="${TOKENIZER:-.carry/tokenizer}"
 step() { local limit=$1; shift; echo "=== $* (limit ${limit}s)"; timeout "$limit" "$@"; echo "=== exit $?"; }
 {
   python3 -m neo_backend.cpu_attention --build
   step 330 python3 bench/serving.py --gpu-memory-gb 24 --rates 4 8 12 16 --num-requests 160 \
-      --policies never auto --cpu-kv-cache-gb 32 --json "$OUT/serving_a_24gb.json"
+      --policies never auto --cpu-kv-cache-gb 32 --tokenizer "$TOKENIZER" --json "$OUT/serving_a_24gb.json"
   step 200 python3 bench/serving.py --rates 8 16 --num-requests 160 --policies never auto \
-      --cpu-kv-cache-gb 16 --json "$OUT/serving_c_h200.json"
+      --cpu-kv-cache-gb 16 --tokenizer "$TOKENIZER" --json "$OUT/serving_c_h200.json"
 } 2>&1 | tee "$OUT/serving_log.txt"

@@ -36,7 +36,23 @@ def _make_tiny(directory: Path, variant: str) -> Path:
             if name.endswith("bias"):
                 p.normal_(0, 0.5)
     model.save_pretrained(directory, safe_serialization=True)
+    _tiny_tokenizer().save_pretrained(directory)
     return directory
+
+
+def _tiny_tokenizer():
+    """A real byte-level BPE tokenizer trained here on a small corpus, so tiny models need nothing else."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = ["The quick brown fox jumps over the lazy dog.", "Paris is the capital of France.",
+              "def add(a, b): return a + b", "Once upon a time, in a small village, there lived a cat."] * 20
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>", "</s>"],
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
 
 
 @pytest.fixture(scope="session")
