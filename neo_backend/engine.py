@@ -133,6 +133,7 @@ class LLMEngine:
             "cpu_decode_tokens": self.counters.cpu_decode_tokens,
             "modes": dict(self.counters.modes),
             "cpu_correction": round(self.perf_model.cpu_correction, 3) if self.perf_model else None,
+            "offload_slowdown": round(self.perf_model.offload_slowdown, 3) if self.perf_model else None,
             "last_iteration": self.counters.last_iteration,
         }
 
@@ -180,12 +181,17 @@ class LLMEngine:
         c.prompt_tokens += batch.num_prefill_tokens
         c.cpu_decode_tokens += len(batch.cpu_decodes)
         c.modes[batch.mode] = c.modes.get(batch.mode, 0) + 1
-        if self.perf_model is not None and batch.cpu_decodes:
-            self.perf_model.observe_cpu(batch.predicted_cpu_time, host_seconds)
+        measured = time.monotonic() - start
+        if self.perf_model is not None:
+            self.perf_model.observe_iteration(batch.predicted_time / (self.perf_model.offload_slowdown
+                                                                     if batch.cpu_decodes else 1.0),
+                                              measured, bool(batch.cpu_decodes))
+            if batch.cpu_decodes:
+                self.perf_model.observe_cpu(batch.predicted_cpu_time, host_seconds)
         c.last_iteration = {
             "mode": batch.mode, "prefill_tokens": batch.num_prefill_tokens, "gpu_decodes": len(batch.gpu_decodes),
             "cpu_decodes": len(batch.cpu_decodes), "split": batch.split if batch.pipelined else None,
-            "predicted_s": round(batch.predicted_time, 6), "measured_s": round(time.monotonic() - start, 6),
+            "predicted_s": round(batch.predicted_time, 6), "measured_s": round(measured, 6),
             "predicted_cpu_s": round(batch.predicted_cpu_time, 6), "measured_cpu_s": round(host_seconds, 6)}
 
     def _append_token(self, seq: Sequence, token: int, logprob: float, logprob_entry, now: float) -> RequestOutput:

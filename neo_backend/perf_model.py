@@ -3,7 +3,8 @@
 Times are per iteration, all layers: dense work (linear/FFN/norms/logits) grows with the batch's tokens,
 device decode attention with its context tokens, host decode attention with requests and context tokens.
 The host term is scaled by `cpu_correction`, an exponential average of measured over predicted host time,
-so CPU contention from other processes makes the scheduler hand the CPU less work (the fail-safe).
+so CPU contention from other processes makes the scheduler hand the CPU less work (the fail-safe); whole
+iterations are watched too, and `offload_slowdown` scales every prediction that involves CPU work.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from typing import Callable
 log = logging.getLogger("neo_backend")
 
 CORRECTION_SMOOTHING = 0.3
+RECOVERY = 0.02   # per iteration without CPU work, the corrections drift back toward the prediction
 
 
 @dataclass
@@ -27,7 +29,9 @@ class PerfModel:
     cpu_attn_fixed: float
     cpu_attn_per_request: float
     cpu_attn_per_token: float
-    cpu_correction: float = 1.0
+    cpu_correction: float = 1.0      # measured / predicted host attention time (kernel calls alone)
+    gpu_only_ratio: float = 1.0      # measured / predicted time of iterations without CPU work
+    offload_ratio: float | None = None  # measured / predicted time of iterations with CPU work, once seen
 
     def dense(self, tokens: int) -> float:
         return self.dense_fixed + self.dense_per_token * tokens if tokens else 0.0
@@ -51,11 +55,31 @@ class PerfModel:
         gpu1 = self.dense(cpu1[0])
         return max(gpu0, self.cpu_attention(*cpu1)) + max(gpu1, self.cpu_attention(*cpu0))
 
+    @property
+    def offload_slowdown(self) -> float:
+        """How much worse than predicted iterations with CPU work run, relative to those without: what the
+        kernel timings miss (transfers, synchronisation, launch gaps, a busy host)."""
+        return 1.0 if self.offload_ratio is None else self.offload_ratio / self.gpu_only_ratio
+
     def observe_cpu(self, predicted: float, measured: float) -> None:
         if predicted <= 0 or measured <= 0:
             return
         ratio = measured / (predicted / self.cpu_correction)
         self.cpu_correction += CORRECTION_SMOOTHING * (ratio - self.cpu_correction)
+
+    def observe_iteration(self, predicted: float, measured: float, with_cpu_work: bool) -> None:
+        if predicted <= 0 or measured <= 0:
+            return
+        ratio = measured / predicted
+        if with_cpu_work:
+            current = ratio if self.offload_ratio is None else self.offload_ratio
+            self.offload_ratio = current + CORRECTION_SMOOTHING * (ratio - current)
+            return
+        self.gpu_only_ratio += CORRECTION_SMOOTHING * (ratio - self.gpu_only_ratio)
+        # Without CPU work nothing re-measures it: forget slowly, so a CPU that was busy gets another try.
+        self.cpu_correction += RECOVERY * (1.0 - self.cpu_correction)
+        if self.offload_ratio is not None:
+            self.offload_ratio += RECOVERY * (self.gpu_only_ratio - self.offload_ratio)
 
 
 def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -92,7 +116,8 @@ def median_time(fn: Callable[[], None], sync: Callable[[], None], reps: int = 5)
 def load_cached(path: Path) -> PerfModel | None:
     try:
         data = json.loads(path.read_text())
-        data.pop("cpu_correction", None)
+        for online in ("cpu_correction", "gpu_only_ratio", "offload_ratio"):
+            data.pop(online, None)
         return PerfModel(**data)
     except (OSError, ValueError, TypeError):
         return None

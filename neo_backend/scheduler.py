@@ -83,7 +83,8 @@ class Scheduler:
 
     @property
     def cpu_behind(self) -> bool:
-        return self.perf is not None and self.perf.cpu_correction > CPU_BEHIND
+        """The fail-safe's signal: CPU work runs much slower than predicted, so `auto` stops giving it more."""
+        return self.perf is not None and max(self.perf.cpu_correction, self.perf.offload_slowdown) > CPU_BEHIND
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -115,9 +116,18 @@ class Scheduler:
         cpu_ready = self._grow_cpu_running(out)
         if not out.preempted:
             self._admit(out, budget)
+        if self.perf is not None:
+            out.predicted_time = self.perf.sequential(*self._gpu_work(out), 0, 0)
         self._plan_cpu_decodes(out, cpu_ready)
         self._place_finished_prefills(out)
         return out
+
+    @staticmethod
+    def _gpu_work(out: SchedulerOutput) -> tuple[int, int]:
+        """(tokens, context tokens) of the iteration's device part."""
+        tokens = out.num_prefill_tokens + len(out.gpu_decodes)
+        ctx = sum(len(s.token_ids) for s in out.gpu_decodes) + sum(s.num_computed_tokens + n for s, n in out.prefills)
+        return tokens, ctx
 
     def offload(self, seqs: list[Sequence]) -> None:
         """Start moving freshly prefilled requests to the host pool (after the step that prefilled them)."""
@@ -172,7 +182,7 @@ class Scheduler:
         while not self.gpu_blocks.can_grow(seq, num_tokens):
             victim = self.running[-1]
             if not (victim.is_decode and victim.request_id not in self._swapped_in and
-                    self._swap_out(victim, complete=True)):
+                    not (self.policy == "auto" and self.cpu_behind) and self._swap_out(victim, complete=True)):
                 self._preempt(victim, out)
             if victim is seq:
                 return False
@@ -222,9 +232,7 @@ class Scheduler:
             out.pipelined = self.config.pipeline == "on" and len(ready) > 1
             out.split = len(ready) // 2
             return
-        gpu_tokens = out.num_prefill_tokens + len(out.gpu_decodes)
-        gpu_ctx = sum(len(s.token_ids) for s in out.gpu_decodes) + sum(
-            s.num_computed_tokens + n for s, n in out.prefills)
+        gpu_tokens, gpu_ctx = self._gpu_work(out)
         gpu_alone = self.perf.sequential(gpu_tokens, gpu_ctx, 0, 0)
         bound = gpu_alone * self.config.cpu_latency_slack if self.policy == "auto" and gpu_tokens else float("inf")
         ready = sorted(ready, key=lambda s: -self._skipped.get(s.request_id, 0))
@@ -245,6 +253,10 @@ class Scheduler:
 
     def _best_mode(self, gpu_tokens: int, gpu_ctx: int, ctx: list[int]) -> tuple[float, bool, int]:
         """(predicted time, pipelined?, split) with the best tokens/s for these CPU decodes."""
+        time, pipelined, split = self._best_mode_uncorrected(gpu_tokens, gpu_ctx, ctx)
+        return (time * self.perf.offload_slowdown if ctx else time), pipelined, split
+
+    def _best_mode_uncorrected(self, gpu_tokens: int, gpu_ctx: int, ctx: list[int]) -> tuple[float, bool, int]:
         n = len(ctx)
         sequential = self.perf.sequential(gpu_tokens, gpu_ctx, n, sum(ctx))
         if self.config.pipeline == "off" or n < 2:

@@ -67,3 +67,28 @@ def test_host_pool_larger_than_memory_is_a_clear_error(tiny_model_dirs):
 
     with pytest.raises(ConfigError, match="cpu_kv_cache_gb"):
         _engine(tiny_model_dirs["llama3"], 24, offload_policy="auto", cpu_kv_cache_gb=1e6)
+
+
+def test_auto_backs_off_when_cpu_attention_is_slowed(tiny_model_dirs, workload, reference_tokens, monkeypatch):
+    """Injected slowness (a busy host): measured CPU attention exceeds the prediction, `auto` stops putting
+    requests on the CPU and returns them to the GPU; outputs are unchanged and nothing leaks."""
+    import time as _time
+
+    prompts, max_tokens = workload
+    engine = _engine(tiny_model_dirs["llama3"], 24, offload_policy="auto")
+    host = engine.runner.host_attention
+    real_run = host.run
+
+    def slow_run(*args, **kwargs):
+        _time.sleep(0.02)
+        return real_run(*args, **kwargs)
+
+    monkeypatch.setattr(host, "run", slow_run)
+    tokens = _collect(engine, prompts, max_tokens, stagger=True)
+    assert tokens == reference_tokens
+    stats = engine.stats_snapshot()
+    assert engine.scheduler.cpu_behind and max(stats["cpu_correction"], stats["offload_slowdown"]) > 1.5
+    assert stats["gpu_blocks_used"] == 0 and stats["cpu_blocks_used"] == 0
+    calm = _engine(tiny_model_dirs["llama3"], 24, offload_policy="auto")
+    _collect(calm, prompts, max_tokens, stagger=True)
+    assert stats["cpu_decode_tokens"] < calm.stats_snapshot()["cpu_decode_tokens"], "slowed CPU got less work"
