@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml
 	touch $@
 
 build: install
-	$(PY) -m neo_backend.cpu_attention --build
+	$(PY) -m neo_backend build-kernel
 
 model: install
 	$(PY) -m neo_backend prepare-model

@@ -11,7 +11,7 @@ step() { local limit=$1; shift; echo "=== $* (limit ${limit}s)"; timeout "$limit
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   nproc; python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)'
-  step 120 python3 -m neo_backend.cpu_attention --build
+  step 120 python3 -m neo_backend build-kernel
   step 150 python3 -m pytest -q -x -p no:cacheprovider tests/test_cuda.py
   step 170 python3 bench/engine.py --roofline --tokenizer "$TOKENIZER" --json "$OUT/engine.json"
   step 170 python3 bench/pipeline_overlap.py --tokenizer "$TOKENIZER" --json "$OUT/pipeline.json"

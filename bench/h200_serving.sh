@@ -7,7 +7,7 @@ mkdir -p "$OUT"
 TOKENIZER="${TOKENIZER:-.carry/tokenizer}"
 step() { local limit=$1; shift; echo "=== $* (limit ${limit}s)"; timeout "$limit" "$@"; echo "=== exit $?"; }
 {
-  python3 -m neo_backend.cpu_attention --build
+  python3 -m neo_backend build-kernel
   step 330 python3 bench/serving.py --gpu-memory-gb 24 --rates 4 8 12 16 --num-requests 160 \
       --policies never auto --cpu-kv-cache-gb 32 --tokenizer "$TOKENIZER" --json "$OUT/serving_a_24gb.json"
   step 200 python3 bench/serving.py --rates 8 16 --num-requests 160 --policies never auto \

@@ -1,4 +1,4 @@
-"""Command line: `python -m neo_backend {generate,serve,prepare-model}`."""
+"""Command line: `python -m neo_backend {generate,serve,prepare-model,build-kernel}`."""
 from __future__ import annotations
 
 import argparse
@@ -80,6 +80,15 @@ def cmd_prepare_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_build_kernel(args: argparse.Namespace) -> int:
+    from . import cpu_attention
+
+    path = cpu_attention.build(force=args.force)
+    print(f"CPU attention library: {path} (SIMD path: {cpu_attention.best_isa()}, "
+          f"threads: {cpu_attention.get_num_threads()})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m neo_backend", description=__doc__)
     parser.add_argument("--log-level", default="INFO")
@@ -93,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
     serve = sub.add_parser("serve", help="start Triton Inference Server with the neo model")
     serve.set_defaults(func=cmd_serve)
+    kernel = sub.add_parser("build-kernel", help="compile the CPU attention library (cached) and print its path")
+    kernel.add_argument("--force", action="store_true", help="recompile even if a cached build exists")
+    kernel.set_defaults(func=cmd_build_kernel)
     prep = sub.add_parser("prepare-model", help="check the model and cache its converted tokenizer")
     EngineConfig.add_cli_args(prep)
     prep.set_defaults(func=cmd_prepare_model)

@@ -7,11 +7,10 @@ engine can run GPU work from another Python thread while the kernel runs.
 dtypes: the KV cache is fp16, bf16 or fp32. `q` is either the cache's dtype or fp32, and the output has
 q's dtype (all arithmetic is fp32; pass fp32 q to get unrounded fp32 output from a 16-bit cache).
 
-Run `python -m neo_backend.cpu_attention --build` to compile the library ahead of first use.
+Run `python -m neo_backend build-kernel` to compile the library ahead of first use.
 """
 from __future__ import annotations
 
-import argparse
 import ctypes
 import math
 import os
@@ -49,10 +48,10 @@ def _library() -> ctypes.CDLL:
                 lib = ctypes.CDLL(str(path))
             except OSError as e:
                 raise KernelError(f"cannot load {path}: {e}; rebuild with "
-                                  "`python -m neo_backend.cpu_attention --build --force`") from e
+                                  "`python -m neo_backend build-kernel --force`") from e
             if lib.neo_abi_version() != _ABI_VERSION:
                 raise KernelError(f"{path} has ABI {lib.neo_abi_version()}, this binding needs {_ABI_VERSION}; "
-                                  "rebuild with `python -m neo_backend.cpu_attention --build --force`")
+                                  "rebuild with `python -m neo_backend build-kernel --force`")
             p, i = ctypes.c_void_p, ctypes.c_int
             lib.neo_paged_attention.argtypes = [p, i, p, p, i, p, p, p, i, i, i, i, i, i, ctypes.c_float, i, i]
             lib.neo_paged_attention.restype = i
@@ -243,19 +242,3 @@ def stream_read(buf: torch.Tensor, num_threads: int | None = None) -> float:
     """Sums a float32 buffer with the kernels' threads and SIMD path: the memory-bandwidth yardstick."""
     _check("buf", buf, 1, (torch.float32,))
     return _library().neo_stream_read(buf.data_ptr(), buf.numel(), _thread_count(num_threads))
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m neo_backend.cpu_attention", description=__doc__.split("\n")[0])
-    parser.add_argument("--build", action="store_true", help="compile the library (cached) and print its path")
-    parser.add_argument("--force", action="store_true", help="recompile even if a cached build exists")
-    args = parser.parse_args(argv)
-    if not args.build:
-        parser.error("nothing to do; pass --build")
-    path = build(force=args.force)
-    print(f"CPU attention library: {path} (SIMD path: {best_isa()}, threads: {get_num_threads()})")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
