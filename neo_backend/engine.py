@@ -10,13 +10,14 @@ from typing import Any, Iterable, Mapping
 from . import cpu_attention
 from .block_manager import BlockManager
 from .config import EngineConfig
-from .errors import InvalidRequestError
+from .errors import InvalidRequestError, KernelError
 from .loader import load_tokenizer, read_model_config, resolve_source
 from .model_runner import ModelRunner
 from .outputs import RequestMetrics, RequestOutput
 from .profiler import load_or_profile
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler
+from .layers.sampler import SampleResult
+from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence, SequenceStatus
 from .tokenizer import IncrementalDetokenizer
 
@@ -149,7 +150,15 @@ class LLMEngine:
                 seq.first_scheduled_time = now
         host = self.runner.host_attention
         host_seconds_before = host.seconds if host else 0.0
-        sampled, result = self.runner.execute(batch)
+        try:
+            sampled, result = self.runner.execute(batch)
+        except KernelError as exc:
+            self._fail_over_to_gpu(batch, exc)
+            return []
+        except Exception as exc:  # an iteration that breaks fails the requests it carried, not the server
+            log.exception("iteration failed; failing its %d requests", len(batch.scheduled()))
+            message = f"internal error while running this request: {type(exc).__name__}: {exc}"
+            return [self.fail(seq.request_id, message) for seq, _ in batch.scheduled()]
         for seq, n in batch.scheduled():
             seq.num_computed_tokens += n
         self.scheduler.offload(batch.offload_after_step)
@@ -159,10 +168,28 @@ class LLMEngine:
         outputs = []
         now = time.monotonic()
         for i, seq in enumerate(sampled):
-            top = result.top_logprobs[i]
-            logprob_entry = None if seq.params.logprobs is None else {result.token_ids[i]: result.logprobs[i], **(top or {})}
-            outputs.append(self._append_token(seq, result.token_ids[i], result.logprobs[i], logprob_entry, now))
+            outputs.append(self._process_sample(seq, result, i, now))
         return outputs
+
+    def _process_sample(self, seq: Sequence, result: SampleResult, row: int, now: float) -> RequestOutput:
+        """Append one sampled token; a failure here (non-finite logits, detokenization) fails this request only."""
+        if row in result.non_finite_rows:
+            return self.fail(seq.request_id, "the model produced non-finite logits for this request", "nan")
+        try:
+            entry = None
+            if seq.params.logprobs is not None:
+                entry = {result.token_ids[row]: result.logprobs[row], **(result.top_logprobs[row] or {})}
+            return self._append_token(seq, result.token_ids[row], result.logprobs[row], entry, now)
+        except Exception as exc:
+            log.exception("request %s failed while processing its output", seq.request_id)
+            return self.fail(seq.request_id, f"output processing failed: {type(exc).__name__}: {exc}")
+
+    def _fail_over_to_gpu(self, batch: SchedulerOutput, exc: KernelError) -> None:
+        """The CPU kernel failed: turn offloading off and recompute the CPU-requests on the GPU."""
+        log.error("CPU attention failed (%s); offloading is off, %d CPU-requests move to the GPU",
+                  exc, len(self.scheduler.cpu_running))
+        self.counters.fail("cpu_kernel")
+        self.scheduler.disable_offload()
 
     def generate(self, prompts: Iterable[str | list[int]], params: SamplingParams | Mapping[str, Any] | None = None
                  ) -> list[RequestOutput]:

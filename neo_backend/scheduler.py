@@ -98,6 +98,13 @@ class Scheduler:
                 break
         self._pool(seq).free(seq)
 
+    def disable_offload(self) -> None:
+        """Fail-over after a CPU kernel error: no more offloading; CPU-requests are recomputed on the GPU."""
+        self.policy = "never"
+        self.complete_swaps()
+        for seq in list(reversed(self.cpu_running)):
+            self._preempt(seq, SchedulerOutput())
+
     def complete_swaps(self) -> None:
         """Finish the swap-outs started after the previous step; their device blocks become free."""
         if self.swapper is not None:

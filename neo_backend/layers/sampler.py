@@ -13,6 +13,7 @@ class SampleResult:
     token_ids: list[int]
     logprobs: list[float]                        # of each sampled token, under the model's raw distribution
     top_logprobs: list[dict[int, float] | None]  # the N most likely tokens, where a request asked for them
+    non_finite_rows: set[int]                    # rows whose logits held NaN or inf: their requests fail
 
 
 class Sampler:
@@ -22,6 +23,10 @@ class Sampler:
         self.seed = seed
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
+        finite = torch.isfinite(logits).all(dim=-1)
+        non_finite = set() if bool(finite.all()) else set((~finite).nonzero().flatten().tolist())
+        if non_finite:
+            logits = torch.where(finite.unsqueeze(1), logits, torch.zeros_like(logits))
         raw_logprobs = torch.log_softmax(logits, dim=-1)
         logits = self._apply_penalties(logits, seqs)
         logits = self._apply_min_tokens(logits, seqs)
@@ -36,7 +41,7 @@ class Sampler:
                 tops.append(dict(zip(ids.tolist(), values.tolist())))
             else:
                 tops.append(None)
-        return SampleResult(token_list, chosen, tops)
+        return SampleResult(token_list, chosen, tops, non_finite)
 
     def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         rows = [i for i, s in enumerate(seqs) if s.params.repetition_penalty != 1.0

@@ -1,0 +1,78 @@
+"""Fault isolation inside the engine: a fault fails the requests it touches, never the engine."""
+from __future__ import annotations
+
+from neo_backend import EngineConfig, KernelError, LLMEngine
+
+from test_generation import _collect, _mixed_requests
+
+
+def _tiny_engine(tiny_model_dirs, **knobs) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(tiny_model_dirs["llama3"]), block_size=8, max_num_batched_tokens=64,
+                                  **knobs))
+
+
+def _drain(engine: LLMEngine) -> dict[str, list]:
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    return finals
+
+
+def test_non_finite_logits_fail_only_that_request(tiny_model_dirs, monkeypatch):
+    engine = _tiny_engine(tiny_model_dirs, num_gpu_blocks=128, offload_policy="never")
+    good_alone = engine.generate([[5, 6, 7, 8]], {"max_tokens": 6, "temperature": 0})[0].token_ids
+    bad = engine.add_request([9, 10, 11], {"max_tokens": 6, "temperature": 0})
+    good = engine.add_request([5, 6, 7, 8], {"max_tokens": 6, "temperature": 0})
+    real = engine.runner.model.compute_logits
+
+    def poisoned(hidden):
+        logits = real(hidden)
+        if logits.shape[0] == 2:
+            logits[0] = float("nan")
+        return logits
+
+    monkeypatch.setattr(engine.runner.model, "compute_logits", poisoned)
+    finals = _drain(engine)
+    assert finals[bad].finish_reason == "error" and "non-finite" in finals[bad].error
+    assert finals[good].finish_reason == "length"
+    assert engine.counters.failures == {"nan": 1}
+    assert engine.gpu_blocks.num_free_blocks == engine.gpu_blocks.num_blocks
+    monkeypatch.undo()
+    assert engine.generate([[5, 6, 7, 8]], {"max_tokens": 6, "temperature": 0})[0].token_ids == good_alone
+
+
+def test_a_broken_iteration_fails_its_requests_and_the_engine_goes_on(tiny_model_dirs, monkeypatch):
+    engine = _tiny_engine(tiny_model_dirs, num_gpu_blocks=128, offload_policy="never")
+    expected = engine.generate([[3, 4, 5]], {"max_tokens": 5, "temperature": 0})[0].token_ids
+    rid = engine.add_request([3, 4, 5], {"max_tokens": 5, "temperature": 0})
+    monkeypatch.setattr(engine.runner, "execute", lambda batch: (_ for _ in ()).throw(RuntimeError("device lost")))
+    outs = engine.step()
+    assert [o.request_id for o in outs] == [rid] and outs[0].finish_reason == "error"
+    assert "device lost" in outs[0].error
+    monkeypatch.undo()
+    assert engine.gpu_blocks.num_free_blocks == engine.gpu_blocks.num_blocks
+    assert engine.generate([[3, 4, 5]], {"max_tokens": 5, "temperature": 0})[0].token_ids == expected
+
+
+def test_cpu_kernel_failure_fails_over_to_the_gpu(tiny_model_dirs, monkeypatch):
+    prompts, max_tokens = _mixed_requests(12, seed=5)
+    reference = _collect(_tiny_engine(tiny_model_dirs, num_gpu_blocks=512, offload_policy="never"),
+                         prompts, max_tokens, stagger=False)
+    engine = _tiny_engine(tiny_model_dirs, num_gpu_blocks=512, offload_policy="always", cpu_kv_cache_gb=0.01)
+    host = engine.runner.host_attention
+    real_run, calls = host.run, []
+
+    def failing_run(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 40:
+            raise KernelError("injected: the CPU attention library failed")
+        return real_run(*args, **kwargs)
+
+    monkeypatch.setattr(host, "run", failing_run)
+    assert _collect(engine, prompts, max_tokens, stagger=False) == reference
+    assert engine.counters.failures == {"cpu_kernel": 1} and engine.scheduler.policy == "never"
+    stats = engine.stats_snapshot()
+    assert stats["gpu_blocks_used"] == 0 and stats["cpu_blocks_used"] == 0
+    assert stats["cpu_decode_tokens"] > 0, "requests decoded on the CPU before the failure"
