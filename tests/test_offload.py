@@ -70,8 +70,8 @@ def test_host_pool_larger_than_memory_is_a_clear_error(tiny_model_dirs):
 
 
 def test_auto_backs_off_when_cpu_attention_is_slowed(tiny_model_dirs, workload, reference_tokens, monkeypatch):
-    """Injected slowness (a busy host): measured CPU attention exceeds the prediction, `auto` stops putting
-    requests on the CPU and returns them to the GPU; outputs are unchanged and nothing leaks."""
+    """Injected slowness (a busy host): iterations with CPU work run far slower than predicted, so `auto`
+    stops moving requests to the CPU while it is behind; outputs are unchanged and nothing leaks."""
     import time as _time
 
     prompts, max_tokens = workload
@@ -84,11 +84,25 @@ def test_auto_backs_off_when_cpu_attention_is_slowed(tiny_model_dirs, workload, 
         return real_run(*args, **kwargs)
 
     monkeypatch.setattr(host, "run", slow_run)
-    tokens = _collect(engine, prompts, max_tokens, stagger=True)
-    assert tokens == reference_tokens
+    sched = engine.scheduler
+    tokens = {}
+    order = []
+    behind_steps = 0
+    for step in range(5000):
+        if 2 * len(order) <= step and len(order) < len(prompts):
+            i = len(order)
+            order.append(engine.add_request(prompts[i], {"max_tokens": max_tokens[i], "temperature": 0,
+                                                         "ignore_eos": True}))
+            tokens[order[-1]] = []
+        if len(order) == len(prompts) and not engine.has_unfinished_requests():
+            break
+        behind, swapped = sched.cpu_behind, sched.swap_out_blocks
+        for out in engine.step():
+            tokens[out.request_id] += out.token_ids
+        if behind:
+            behind_steps += 1
+            assert sched.swap_out_blocks == swapped, "no request goes to the CPU while it is behind"
+    assert behind_steps > 0, "the slowed CPU must be noticed"
+    assert [tokens[r] for r in order] == reference_tokens
     stats = engine.stats_snapshot()
-    assert engine.scheduler.cpu_behind and max(stats["cpu_correction"], stats["offload_slowdown"]) > 1.5
     assert stats["gpu_blocks_used"] == 0 and stats["cpu_blocks_used"] == 0
-    calm = _engine(tiny_model_dirs["llama3"], 24, offload_policy="auto")
-    _collect(calm, prompts, max_tokens, stagger=True)
-    assert stats["cpu_decode_tokens"] < calm.stats_snapshot()["cpu_decode_tokens"], "slowed CPU got less work"
