@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from typing import Any, Iterator, Mapping
 
 from .config import EngineConfig
@@ -19,6 +20,7 @@ from .sampling_params import SamplingParams
 log = logging.getLogger("neo_backend")
 
 IDLE_WAIT_S = 0.05
+STATUS_LOG_INTERVAL_S = 10.0
 
 
 class RequestStream:
@@ -60,6 +62,7 @@ class StreamingEngine:
         self._wake = threading.Event()
         self._stopping = False
         self.dead_reason: str | None = None
+        self._last_generated = 0
         self._thread = threading.Thread(target=self._loop, name="neo-engine-loop", daemon=True)
         self._thread.start()
 
@@ -101,6 +104,7 @@ class StreamingEngine:
         self._fail_all("server is shutting down")
 
     def _loop(self) -> None:
+        next_log = time.monotonic() + STATUS_LOG_INTERVAL_S
         try:
             while not self._stopping:
                 self._drain_inbox()
@@ -109,10 +113,22 @@ class StreamingEngine:
                     self._wake.clear()
                     continue
                 self._dispatch(self.engine.step())
+                if time.monotonic() >= next_log:
+                    next_log = time.monotonic() + STATUS_LOG_INTERVAL_S
+                    self._log_status()
         except Exception as exc:  # the loop must never die silently: fail every waiting client
             self.dead_reason = f"engine loop crashed: {type(exc).__name__}: {exc}"
             log.exception("engine loop crashed; failing %d in-flight requests", len(self._streams))
             self._fail_all(self.dead_reason)
+
+    def _log_status(self) -> None:
+        st = self.engine.stats_snapshot()
+        generated = st["generation_tokens"] - self._last_generated
+        self._last_generated = st["generation_tokens"]
+        log.info("running %d GPU + %d CPU, waiting %d | KV blocks gpu %d/%d cpu %d/%d | %.1f tokens/s | "
+                 "modes %s", st["requests_gpu_decode"], st["requests_cpu_decode"], st["requests_waiting"],
+                 st["gpu_blocks_used"], st["gpu_blocks_total"], st["cpu_blocks_used"], st["cpu_blocks_total"],
+                 generated / STATUS_LOG_INTERVAL_S, st["modes"])
 
     def _drain_inbox(self) -> None:
         while True:
