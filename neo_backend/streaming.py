@@ -62,7 +62,7 @@ class StreamingEngine:
         self._wake = threading.Event()
         self._stopping = False
         self.dead_reason: str | None = None
-        self._last_generated = 0
+        self._last_log = (time.monotonic(), 0)  # (when, generation tokens then)
         self._thread = threading.Thread(target=self._loop, name="neo-engine-loop", daemon=True)
         self._thread.start()
 
@@ -104,7 +104,6 @@ class StreamingEngine:
         self._fail_all("server is shutting down")
 
     def _loop(self) -> None:
-        next_log = time.monotonic() + STATUS_LOG_INTERVAL_S
         try:
             while not self._stopping:
                 self._drain_inbox()
@@ -113,8 +112,7 @@ class StreamingEngine:
                     self._wake.clear()
                     continue
                 self._dispatch(self.engine.step())
-                if time.monotonic() >= next_log:
-                    next_log = time.monotonic() + STATUS_LOG_INTERVAL_S
+                if time.monotonic() >= self._last_log[0] + STATUS_LOG_INTERVAL_S:
                     self._log_status()
         except Exception as exc:  # the loop must never die silently: fail every waiting client
             self.dead_reason = f"engine loop crashed: {type(exc).__name__}: {exc}"
@@ -123,12 +121,13 @@ class StreamingEngine:
 
     def _log_status(self) -> None:
         st = self.engine.stats_snapshot()
-        generated = st["generation_tokens"] - self._last_generated
-        self._last_generated = st["generation_tokens"]
+        now, generated = time.monotonic(), st["generation_tokens"]
+        rate = (generated - self._last_log[1]) / (now - self._last_log[0])
+        self._last_log = (now, generated)
         log.info("running %d GPU + %d CPU, waiting %d | KV blocks gpu %d/%d cpu %d/%d | %.1f tokens/s | "
                  "modes %s", st["requests_gpu_decode"], st["requests_cpu_decode"], st["requests_waiting"],
                  st["gpu_blocks_used"], st["gpu_blocks_total"], st["cpu_blocks_used"], st["cpu_blocks_total"],
-                 generated / STATUS_LOG_INTERVAL_S, st["modes"])
+                 rate, st["modes"])
 
     def _drain_inbox(self) -> None:
         while True:
