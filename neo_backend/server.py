@@ -17,6 +17,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Mapping
@@ -27,9 +28,10 @@ from .errors import ConfigError, NeoError
 log = logging.getLogger("neo_backend.server")
 
 MODEL_NAME = "neo"
-PACKAGE_ROOT = Path(__file__).resolve().parent.parent  # the directory holding neo_backend/
-DEFAULT_MODEL_REPOSITORY = PACKAGE_ROOT / "model_repository"
+# The checkout's repository (neo_backend is installed editable); NEO_MODEL_REPOSITORY points `serve` elsewhere.
+DEFAULT_MODEL_REPOSITORY = Path(__file__).resolve().parent.parent / "model_repository"
 EXIT_TIMEOUT_S = 10
+KILL_GRACE_S = 20  # past Triton's own exit timeout: it has been seen to hang on exit
 
 
 class ServerSetupError(NeoError):
@@ -116,7 +118,9 @@ def prepare_backend_dir(install: TritonInstall, cache_dir: Path) -> Path | None:
     for part in parts:
         dest = target / "python" / part.name
         if not dest.exists() or dest.stat().st_size != part.stat().st_size:
-            shutil.copy2(part, dest)
+            partial = dest.with_name(f"{dest.name}.{os.getpid()}.partial")  # servers may start side by side
+            shutil.copy2(part, partial)
+            os.replace(partial, dest)
     return target
 
 
@@ -193,7 +197,10 @@ def build_command(install: TritonInstall, repository: Path, backend_dir: Path | 
 def launch(address: ServerAddress, overrides: Mapping[str, object] | None = None, *, work_dir: Path,
            cache_dir: Path | None = None, repository: Path = DEFAULT_MODEL_REPOSITORY,
            stdout: IO | int | None = None) -> subprocess.Popen:
-    """Start tritonserver on a copy of `repository` (rendered into `work_dir`) and return the process."""
+    """Start tritonserver on a copy of `repository` (rendered into `work_dir`) and return the process.
+
+    The server leads its own process group, shared with its python-backend stubs; stop it with `stop_server`.
+    """
     install = find_tritonserver()
     check_model_importable()
     cache_dir = cache_dir or EngineConfig().cache_path / "triton"
@@ -201,30 +208,65 @@ def launch(address: ServerAddress, overrides: Mapping[str, object] | None = None
     model_repo = render_model_repository(work_dir / "model_repository", overrides, repository)
     command = build_command(install, model_repo, backend_dir, address)
     log.info("starting %s", " ".join(command))
-    return subprocess.Popen(command, env=server_env(install), stdout=stdout,
+    return subprocess.Popen(command, env=server_env(install), stdout=stdout, start_new_session=True,
                             stderr=subprocess.STDOUT if stdout is not None else None)
 
 
+def signal_server(process: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
+    """Signal the server's whole process group.
+
+    The stub must see SIGTERM too: Triton does not tell a model about shutdown until its in-flight requests are
+    done, so the model ends its streams when its own stub gets the signal.
+    """
+    if process.poll() is None:
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def stop_server(process: subprocess.Popen, timeout: float = EXIT_TIMEOUT_S + KILL_GRACE_S) -> int:
+    """SIGTERM, then SIGKILL if the server outlives `timeout`; returns its exit status.
+
+    Stubs left behind by a server that crashed or was killed (they do not notice, and keep their memory) are
+    killed too.
+    """
+    signal_server(process, signal.SIGTERM)
+    try:
+        process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        log.error("tritonserver did not exit %.0f s after SIGTERM; killing it", timeout)
+        signal_server(process, signal.SIGKILL)
+        process.wait(timeout)
+    if process.returncode != 0:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass  # no stub left
+    return process.returncode
+
+
 def serve(args: object = None) -> int:
-    """Run tritonserver in the foreground until it exits; SIGTERM and SIGINT are forwarded to it."""
+    """Run tritonserver in the foreground until it exits; SIGTERM or SIGINT stops it (see `stop_server`)."""
     address = ServerAddress.from_env()
     repository = Path(os.environ.get("NEO_MODEL_REPOSITORY") or DEFAULT_MODEL_REPOSITORY)
     overrides = knob_overrides(repository)
     log.info("model %s, knob overrides: %s", MODEL_NAME, overrides or "none")
     log.info("endpoints: HTTP %s, gRPC %s, metrics http://%s/metrics", address.url("http"), address.url("grpc"),
              address.url("metrics"))
-    with tempfile.TemporaryDirectory(prefix="neo-triton-") as work_dir:
-        process = launch(address, overrides, work_dir=Path(work_dir), repository=repository)
-
-        def forward(signum: int, _frame: object) -> None:
-            process.send_signal(signum)
-
-        previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
-        try:
-            return process.wait()
-        finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
+    stopping = threading.Event()
+    previous = {s: signal.signal(s, lambda signum, _frame: stopping.set()) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        with tempfile.TemporaryDirectory(prefix="neo-triton-") as work_dir:
+            process = launch(address, overrides, work_dir=Path(work_dir), repository=repository)
+            while process.poll() is None and not stopping.wait(0.5):
+                pass
+            if stopping.is_set():
+                log.info("stopping tritonserver")
+            return stop_server(process)  # also for a server that exited on its own: it may have left stubs
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def _read_config(config_path: Path):

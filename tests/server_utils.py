@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Mapping
 
-from neo_backend.server import DEFAULT_MODEL_REPOSITORY, MODEL_NAME, ServerAddress, launch
+from neo_backend.server import DEFAULT_MODEL_REPOSITORY, MODEL_NAME, ServerAddress, launch, signal_server, stop_server
 
 READY_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 30.0
@@ -70,16 +70,13 @@ class RunningServer:
                 raise TimeoutError(f"tritonserver not ready after {timeout:.0f} s; log tail:\n{self.log_tail()}")
             time.sleep(0.5)
 
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = STOP_TIMEOUT_S) -> int:
-        """Signal the server and wait for it; kill it if it outlives `timeout`. Returns its exit status."""
-        if self.process.poll() is None:
-            self.process.send_signal(sig)
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
-        return self.process.returncode
+    def terminate(self) -> None:
+        """SIGTERM to the server's process group, as `python -m neo_backend serve` sends it; does not wait."""
+        signal_server(self.process, signal.SIGTERM)
+
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> int:
+        """SIGTERM, then SIGKILL if the server outlives `timeout`. Returns its exit status."""
+        return stop_server(self.process, timeout)
 
 
 def free_ports(count: int) -> list[int]:

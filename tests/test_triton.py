@@ -3,17 +3,14 @@ and HTTP clients: streaming, concurrency, the HTTP generate extension, cancellat
 start-up failures and SIGTERM."""
 from __future__ import annotations
 
+import datetime
 import json
 import queue
 import shutil
-import signal
-import threading
 import time
-import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -21,8 +18,9 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
-from neo_backend import EngineConfig, LLMEngine
-from neo_backend.server import DEFAULT_MODEL_REPOSITORY, MODEL_NAME, read_parameters
+from neo_backend import ConfigError, EngineConfig, LLMEngine
+from neo_backend.server import (DEFAULT_MODEL_REPOSITORY, MODEL_NAME, ServerAddress, knob_overrides,
+                                read_parameters)
 from server_utils import RunningServer, metric_value, scrape_metrics, triton_server
 
 # Small pools and a short max_model_len keep start-up quick and make "prompt too long" cheap to hit.
@@ -172,6 +170,17 @@ def test_config_pbtxt_declares_every_knob_with_its_default():
     assert EngineConfig.from_strings(parameters) == EngineConfig()
 
 
+def test_environment_overrides_knobs_and_ports_validated_before_start():
+    assert knob_overrides(environ={"NEO_NUM_GPU_BLOCKS": "256", "NEO_OFFLOAD_POLICY": "never", "NEO_HOST": "0.0.0.0",
+                                   "NEO_GRPC_PORT": "9001"}) == {"num_gpu_blocks": "256", "offload_policy": "never"}
+    assert ServerAddress.from_env({"NEO_HOST": "0.0.0.0", "NEO_GRPC_PORT": "9001"}) == ServerAddress(
+        "0.0.0.0", 8000, 9001, 8002)
+    with pytest.raises(ConfigError, match="environment variable block_size='x' is not a valid int"):
+        knob_overrides(environ={"NEO_BLOCK_SIZE": "x"})
+    with pytest.raises(ConfigError, match="NEO_HTTP_PORT='http' is not a port number"):
+        ServerAddress.from_env({"NEO_HTTP_PORT": "http"})
+
+
 @pytest.mark.parametrize("key, value, message", [
     ("bogus_knob", "1", "unknown config.pbtxt parameter 'bogus_knob'"),
     ("block_size", "sixteen", "config.pbtxt parameter block_size='sixteen' is not a valid int"),
@@ -244,12 +253,15 @@ def test_cancelled_stream_frees_its_blocks_and_the_next_request_works(server, re
     assert stream.result.error is None and not stream.done
     busy = wait_for_metric(server, lambda s: requests_in_engine(s) == 1, "one request in the engine")
     assert kv_blocks_used(busy) > idle_blocks
-    cancelled_at = time.monotonic()
+    cancelled_at = datetime.datetime.now()
     stream.close(cancel=True)
     wait_for_metric(server, lambda s: requests_in_engine(s) == 0 and kv_blocks_used(s) == idle_blocks,
                     "blocks freed after the cancel", timeout=3.0)
-    assert time.monotonic() - cancelled_at < 3.0
-    assert "cancelled by its client" in server.log()
+    # The model polls every 20 ms and logs when it aborts the request (measured here: 3 to 16 ms); the bound
+    # leaves room for a loaded 2-core machine.
+    [line] = [line for line in server.log().splitlines() if "cancelled by its client" in line][-1:]
+    aborted_at = datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f")
+    assert (aborted_at - cancelled_at).total_seconds() < 0.25, line
     assert run_stream(server, request_inputs(PROMPTS[0], GREEDY)).text == reference[PROMPTS[0]]
 
 
@@ -267,7 +279,7 @@ def test_metrics_move_as_requests_run_and_drain_to_zero(server):
     assert grew("neo_prompt_tokens_total") > 0
     for histogram in ("neo_time_to_first_token_seconds", "neo_time_per_output_token_seconds",
                       "neo_e2e_request_latency_seconds", "neo_request_queue_time_seconds"):
-        assert grew(histogram + "_count") == 1, histogram
+        assert grew(histogram + "_count") >= 1, histogram
         assert grew(histogram + "_sum") > 0 or histogram == "neo_request_queue_time_seconds", histogram
     assert metric_value(after, "neo_kv_blocks_total", pool="gpu") == KNOBS["num_gpu_blocks"]
     names = {name for name, _, _ in after}
@@ -321,12 +333,12 @@ def test_sigterm_ends_in_flight_streams_with_an_error():
         for stream in streams:
             stream.next()
         started = time.monotonic()
-        server.process.send_signal(signal.SIGTERM)
+        server.terminate()
         try:
-            results = [stream.collect(timeout=60) for stream in streams]
+            results = [stream.collect(timeout=30) for stream in streams]
         finally:
             for stream in streams:
                 stream.close()
-        assert all(r.error is not None for r in results), [r.text for r in results]
-        assert server.process.wait(60) == 0, server.log_tail()
-        assert time.monotonic() - started < 60
+        assert all("shutting down" in str(r.error) for r in results), [(r.error, r.text) for r in results]
+        assert server.process.wait(30) == 0, server.log_tail()
+        assert time.monotonic() - started < 30
