@@ -53,7 +53,7 @@ def _collect(engine: LLMEngine, prompts, max_tokens, stagger: bool) -> list[list
 def test_staggered_batch_equals_each_alone(tiny_model_dirs, num_blocks):
     prompts, max_tokens = _mixed_requests(16, seed=3)
     engine = LLMEngine(EngineConfig(model=str(tiny_model_dirs["llama3"]), num_gpu_blocks=num_blocks, block_size=8,
-                                    max_num_batched_tokens=64))
+                                    max_num_batched_tokens=64, offload_policy="never"))
     together = _collect(engine, prompts, max_tokens, stagger=True)
     if num_blocks == 12:
         assert engine.scheduler.num_preemptions > 0
@@ -64,7 +64,7 @@ def test_staggered_batch_equals_each_alone(tiny_model_dirs, num_blocks):
 
 
 def test_smollm_batch_with_preemption_equals_alone():
-    engine = LLMEngine(EngineConfig(num_gpu_blocks=8, max_num_batched_tokens=64))
+    engine = LLMEngine(EngineConfig(num_gpu_blocks=8, max_num_batched_tokens=64, offload_policy="never"))
     prompts = [engine.tokenizer.encode(p) for p in PROMPTS * 2]
     max_tokens = [20, 12, 28, 9, 16, 24]
     together = _collect(engine, prompts, max_tokens, stagger=True)
