@@ -63,6 +63,7 @@ class StreamingEngine:
         self._stopping = False
         self.dead_reason: str | None = None
         self._last_log = (time.monotonic(), 0)  # (when, generation tokens then)
+        self._stats = self.engine.stats_snapshot()
         self._thread = threading.Thread(target=self._loop, name="neo-engine-loop", daemon=True)
         self._thread.start()
 
@@ -73,6 +74,10 @@ class StreamingEngine:
     @property
     def num_in_flight(self) -> int:
         return len(self._streams)
+
+    def stats(self) -> dict[str, Any]:
+        """The engine's counters and gauges as of the loop's last step (safe from any thread)."""
+        return self._stats
 
     def submit(self, prompt: str | list[int], params: SamplingParams | Mapping[str, Any] | None = None,
                request_id: str | None = None) -> RequestStream:
@@ -112,6 +117,7 @@ class StreamingEngine:
                     self._wake.clear()
                     continue
                 self._dispatch(self.engine.step())
+                self._stats = self.engine.stats_snapshot()
                 if time.monotonic() >= self._last_log[0] + STATUS_LOG_INTERVAL_S:
                     self._log_status()
         except Exception as exc:  # the loop must never die silently: fail every waiting client
@@ -120,7 +126,7 @@ class StreamingEngine:
             self._fail_all(self.dead_reason)
 
     def _log_status(self) -> None:
-        st = self.engine.stats_snapshot()
+        st = self._stats
         now, generated = time.monotonic(), st["generation_tokens"]
         rate = (generated - self._last_log[1]) / (now - self._last_log[0])
         self._last_log = (now, generated)
@@ -141,6 +147,7 @@ class StreamingEngine:
                 out = self.engine.abort(item)
                 if out is not None:
                     self._dispatch([out])
+                    self._stats = self.engine.stats_snapshot()
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

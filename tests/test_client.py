@@ -186,7 +186,10 @@ def test_ctrl_c_cancels_the_request_on_the_server(server):
     try:
         ready, _, _ = select.select([proc.stdout], [], [], 30)
         assert ready and proc.stdout.read(1), "no streamed output before the interrupt"
-        assert engine_load(server)[0] == 1
+        deadline = time.monotonic() + 2.0  # gauges refresh every 0.25 s
+        while engine_load(server)[0] != 1:
+            assert time.monotonic() < deadline, "the streaming request is not shown in neo_requests"
+            time.sleep(0.05)
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=20)
     finally:

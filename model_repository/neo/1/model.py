@@ -359,7 +359,7 @@ class TritonPythonModel:
         log.info("model %s v%s: loading the engine (%s)", name, version, _describe(config))
         start = time.monotonic()
         self.engine = StreamingEngine(config)
-        stats = self.engine.engine.stats_snapshot()
+        stats = self.engine.stats()
         log.info("model %s v%s: engine loaded in %.1f s; KV pools: gpu %d blocks, cpu %d blocks of %d tokens; "
                  "max_model_len %d", name, version, time.monotonic() - start, stats["gpu_blocks_total"],
                  stats.get("cpu_blocks_total", 0), config.block_size, self.engine.engine.max_model_len)
@@ -494,7 +494,7 @@ class TritonPythonModel:
             try:
                 self.metrics.flush()
                 if time.monotonic() >= next_refresh:
-                    self.metrics.refresh(self.engine.engine.stats_snapshot())
+                    self.metrics.refresh(self.engine.stats())
                     next_refresh = time.monotonic() + GAUGE_REFRESH_S
             except Exception:
                 log.exception("metrics update failed")
