@@ -9,7 +9,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from .config import EngineConfig
 from .engine import LLMEngine
@@ -24,16 +24,19 @@ STATUS_LOG_INTERVAL_S = 10.0
 
 
 class RequestStream:
-    """The outputs of one request, in order; the last one has `finished=True`."""
+    """The outputs of one request, in order; the last one has `finished=True`. With `on_output` they are handed
+    to that callable on the engine's loop thread instead (it must return quickly and not raise)."""
 
-    def __init__(self, request_id: str, front: StreamingEngine) -> None:
+    def __init__(self, request_id: str, front: StreamingEngine,
+                 on_output: Callable[[RequestOutput], None] | None = None) -> None:
         self.request_id = request_id
         self._front = front
         self._outputs: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
+        self._on_output = on_output
         self.finished = False
 
     def put(self, output: RequestOutput) -> None:
-        self._outputs.put(output)
+        (self._on_output or self._outputs.put)(output)
 
     def get(self, timeout: float | None = None) -> RequestOutput:
         """Next output; raises TimeoutError if none arrives within `timeout` seconds."""
@@ -80,7 +83,8 @@ class StreamingEngine:
         return self._stats
 
     def submit(self, prompt: str | list[int], params: SamplingParams | Mapping[str, Any] | None = None,
-               request_id: str | None = None) -> RequestStream:
+               request_id: str | None = None, on_output: Callable[[RequestOutput], None] | None = None
+               ) -> RequestStream:
         if not self.healthy:
             raise EngineDeadError(f"engine is not running: {self.dead_reason or 'stopped'}")
         waiting = len(self.engine.scheduler.waiting) + self._inbox.qsize()
@@ -88,7 +92,7 @@ class StreamingEngine:
             raise QueueFullError(f"server is at capacity: {waiting} requests waiting "
                                  f"(max_queue_size={self.config.max_queue_size}); retry later")
         seq = self.engine.make_sequence(prompt, params, request_id)
-        stream = RequestStream(seq.request_id, self)
+        stream = RequestStream(seq.request_id, self, on_output)
         with self._lock:
             if seq.request_id in self._streams:
                 raise InvalidRequestError(f"request id {seq.request_id!r} is already in flight")

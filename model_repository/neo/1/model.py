@@ -1,9 +1,9 @@
 """Triton python-backend model `neo`: the NEO engine behind the Triton vLLM backend's interface.
 
 One StreamingEngine per model instance. `execute` only validates and submits, then returns (a decoupled model
-may answer later); a sender thread per request forwards the engine's outputs through that request's response
-sender, and one monitor thread polls every request for client cancellation every 20 ms and refreshes the
-engine gauges. Every request gets exactly one response carrying the final flag, whatever happens to it.
+may answer later); the engine's loop thread hands each output to one sender thread, which forwards it through
+that request's response sender, and one monitor thread polls every request for client cancellation every 20 ms
+and refreshes the engine gauges. Every request gets exactly one response carrying the final flag, whatever happens to it.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 import typing
+import uuid
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -27,7 +28,7 @@ from neo_backend.config import EngineConfig
 from neo_backend.errors import EngineDeadError, InvalidRequestError, NeoError, QueueFullError
 from neo_backend.outputs import RequestMetrics, RequestOutput
 from neo_backend.sampling_params import SamplingParams
-from neo_backend.streaming import RequestStream, StreamingEngine
+from neo_backend.streaming import StreamingEngine
 
 log = logging.getLogger("neo_backend.triton")
 
@@ -340,13 +341,13 @@ class NeoMetrics:
 class _InFlight:
     spec: RequestSpec
     sender: Any
-    stream: RequestStream
+    request_id: str
+    writer: ResponseWriter
     cancelled: bool = False
     completed: bool = False  # the final response went out; the sender must not be touched again
     # Serializes the final send with the monitor's is_cancelled(): asking a completed request's sender crashes
     # the server (its response factory is gone).
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
-    thread: threading.Thread | None = None
 
 
 class TritonPythonModel:
@@ -366,6 +367,9 @@ class TritonPythonModel:
         self.metrics = NeoMetrics({"model": name, "version": version})
         self.metrics.refresh(stats)
         self._in_flight: dict[str, _InFlight] = {}
+        self._outbox: queue.SimpleQueue[tuple[_InFlight, RequestOutput] | None] = queue.SimpleQueue()
+        self._sender = threading.Thread(target=self._send_loop, name="neo-sender", daemon=True)
+        self._sender.start()
         self._stopping = threading.Event()
         self._wakeup_fd: int | None = None
         self._monitor = threading.Thread(target=self._monitor_loop, name="neo-monitor", daemon=True)
@@ -408,55 +412,49 @@ class TritonPythonModel:
         """Stop the engine: requests still in flight end with an error response, then the senders drain."""
         log.info("shutting down with %d requests in flight", len(self._in_flight))
         self._stopping.set()
-        pending = list(self._in_flight.values())
         self.engine.shutdown()
         if self._wakeup_fd is not None and threading.current_thread() is threading.main_thread():
             signal.set_wakeup_fd(-1)  # before the close: a later signal must not write into a reused fd
             os.close(self._wakeup_fd)  # ends the watcher thread
-        deadline = time.monotonic() + SHUTDOWN_DRAIN_S
-        for request in pending:
-            if request.thread is not None:
-                request.thread.join(max(0.0, deadline - time.monotonic()))
+        self._outbox.put(None)  # after the engine's final outputs: the sender drains them, then stops
+        self._sender.join(SHUTDOWN_DRAIN_S)
         self._monitor.join(1.0)
         log.info("engine stopped")
 
     def _start(self, request: Any) -> None:
         sender = request.get_response_sender()
+        request_id = uuid.uuid4().hex
         try:
             spec = RequestSpec.parse(request)
-            stream = self.engine.submit(spec.prompt, spec.sampling)
+            in_flight = _InFlight(spec, sender, request_id, ResponseWriter(spec, self.engine.engine.tokenizer.decode))
+            self._in_flight[request_id] = in_flight
+            self.engine.submit(spec.prompt, spec.sampling, request_id=request_id,
+                               on_output=lambda out: self._outbox.put((in_flight, out)))
         except NeoError as exc:
+            self._in_flight.pop(request_id, None)
             reason, code = _rejection(exc)
             self.metrics.count_failure(reason)
             _send_quietly(sender, _error_response(str(exc), code), FINAL)
-            return
         except Exception as exc:  # a bug must still answer the request
+            self._in_flight.pop(request_id, None)
             log.exception("request rejected by an internal error")
             self.metrics.count_failure("internal")
             _send_quietly(sender, _error_response(f"internal error: {type(exc).__name__}: {exc}",
                                                   pb_utils.TritonError.INTERNAL), FINAL)
-            return
-        in_flight = _InFlight(spec, sender, stream)
-        self._in_flight[stream.request_id] = in_flight
-        in_flight.thread = threading.Thread(target=self._send_outputs, args=(in_flight,), daemon=True,
-                                            name=f"neo-send-{stream.request_id[:8]}")
-        in_flight.thread.start()
 
-    def _send_outputs(self, request: _InFlight) -> None:
-        """Forward one request's outputs until its final one; runs on the request's own thread."""
-        writer = ResponseWriter(request.spec, self.engine.engine.tokenizer.decode)
-        try:
-            for out in request.stream:
+    def _send_loop(self) -> None:
+        """The one thread that turns engine outputs into responses, for every request, in order."""
+        while (item := self._outbox.get()) is not None:
+            request, out = item
+            try:
                 if out.finished:
-                    self._complete(request, self._final_response(request, writer, out))
-                    return
-                response = writer.add(out)
-                if response is not None:
+                    self._complete(request, self._final_response(request, request.writer, out))
+                elif (response := request.writer.add(out)) is not None:
                     self._send(request, response)
-        except Exception as exc:
-            log.exception("request %s: sending its outputs failed", request.stream.request_id)
-            self.engine.abort(request.stream.request_id)
-            self._complete(request, _error_response(f"internal error: {exc}", pb_utils.TritonError.INTERNAL))
+            except Exception as exc:
+                log.exception("request %s: sending its outputs failed", request.request_id)
+                self.engine.abort(request.request_id)
+                self._complete(request, _error_response(f"internal error: {exc}", pb_utils.TritonError.INTERNAL))
 
     def _final_response(self, request: _InFlight, writer: ResponseWriter, out: RequestOutput) -> Any:
         if out.metrics is not None:
@@ -472,10 +470,10 @@ class TritonPythonModel:
         """Send a delta; a client that went away is treated as a cancellation (the engine frees its blocks)."""
         if not _send_quietly(request.sender, response, 0) and not request.cancelled:
             request.cancelled = True
-            self.engine.abort(request.stream.request_id)
+            self.engine.abort(request.request_id)
 
     def _complete(self, request: _InFlight, response: Any) -> None:
-        self._in_flight.pop(request.stream.request_id, None)
+        self._in_flight.pop(request.request_id, None)
         with request.lock:
             if not request.completed:
                 request.completed = True
