@@ -27,6 +27,7 @@ import gevent  # noqa: E402
 from gevent.pool import Pool  # noqa: E402
 from locust import User, events, task  # noqa: E402
 from locust.env import Environment  # noqa: E402
+from locust.stats import CSV_STATS_INTERVAL_SEC  # noqa: E402
 
 from client import ClientError, GenerationResult, NeoClient, default_url  # noqa: E402
 from loadtest.records import RecordWriter, RequestRecord  # noqa: E402
@@ -56,6 +57,14 @@ def _open_records(environment: Environment, **_: object) -> None:
     global _records
     if environment.parsed_options and environment.parsed_options.records:
         _records = RecordWriter(Path(environment.parsed_options.records))
+
+
+@events.quit.add_listener
+def _let_the_csv_catch_up(**_: object) -> None:
+    """locust rewrites its CSV files every CSV_STATS_INTERVAL_SEC and closes them at exit without a last
+    write; `quit` fires after the users stopped and before that close, so one more interval makes the CSV
+    final and equal to the records."""
+    gevent.sleep(CSV_STATS_INTERVAL_SEC + 0.25)
 
 
 @events.test_stop.add_listener
