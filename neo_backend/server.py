@@ -11,6 +11,7 @@ import dataclasses
 import importlib.util
 import logging
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -180,7 +181,7 @@ def render_model_repository(target: Path, overrides: Mapping[str, object] | None
 
 
 def build_command(install: TritonInstall, repository: Path, backend_dir: Path | None,
-                  address: ServerAddress) -> list[str]:
+                  address: ServerAddress, extra_args: list[str] = ()) -> list[str]:
     command = [str(install.binary), f"--model-repository={repository}",
                f"--http-address={address.host}", f"--http-port={address.http_port}",
                f"--grpc-address={address.host}", f"--grpc-port={address.grpc_port}",
@@ -191,22 +192,23 @@ def build_command(install: TritonInstall, repository: Path, backend_dir: Path | 
         command += [f"--backend-directory={backend_dir}", "--pinned-memory-pool-byte-size=0"]
     # Python-backend shared memory regions are named by this prefix: servers running side by side need their own.
     command.append(f"--backend-config=python,shm-region-prefix-name=neo_{address.grpc_port}_{os.getpid()}_")
-    return command
+    return command + list(extra_args)
 
 
 def launch(address: ServerAddress, overrides: Mapping[str, object] | None = None, *, work_dir: Path,
            cache_dir: Path | None = None, repository: Path = DEFAULT_MODEL_REPOSITORY,
-           stdout: IO | int | None = None) -> subprocess.Popen:
+           stdout: IO | int | None = None, extra_args: list[str] = ()) -> subprocess.Popen:
     """Start tritonserver on a copy of `repository` (rendered into `work_dir`) and return the process.
 
     The server leads its own process group, shared with its python-backend stubs; stop it with `stop_server`.
+    `extra_args` go to tritonserver as they are (TLS, restricted APIs: see the README's security section).
     """
     install = find_tritonserver()
     check_model_importable()
     cache_dir = cache_dir or EngineConfig().cache_path / "triton"
     backend_dir = prepare_backend_dir(install, cache_dir)
     model_repo = render_model_repository(work_dir / "model_repository", overrides, repository)
-    command = build_command(install, model_repo, backend_dir, address)
+    command = build_command(install, model_repo, backend_dir, address, extra_args)
     log.info("starting %s", " ".join(command))
     return subprocess.Popen(command, env=server_env(install), stdout=stdout, start_new_session=True,
                             stderr=subprocess.STDOUT if stdout is not None else None)
@@ -258,7 +260,8 @@ def serve(args: object = None) -> int:
     previous = {s: signal.signal(s, lambda signum, _frame: stopping.set()) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         with tempfile.TemporaryDirectory(prefix="neo-triton-") as work_dir:
-            process = launch(address, overrides, work_dir=Path(work_dir), repository=repository)
+            process = launch(address, overrides, work_dir=Path(work_dir), repository=repository,
+                             extra_args=shlex.split(os.environ.get("NEO_TRITON_ARGS", "")))
             while process.poll() is None and not stopping.wait(0.5):
                 pass
             if stopping.is_set():

@@ -90,7 +90,8 @@ def free_ports(count: int) -> list[int]:
 
 @contextlib.contextmanager
 def triton_server(overrides: Mapping[str, object] | None = None, *, ready_timeout: float = READY_TIMEOUT_S,
-                  wait: bool = True, repository: Path = DEFAULT_MODEL_REPOSITORY) -> Iterator[RunningServer]:
+                  wait: bool = True, repository: Path = DEFAULT_MODEL_REPOSITORY,
+                  extra_args: list[str] = ()) -> Iterator[RunningServer]:
     """A tritonserver on free local ports with the `neo` model; stopped (SIGTERM, then kill) on exit.
 
     With wait=False it yields as soon as the process runs (for tests of start-up failures); call wait_ready().
@@ -100,7 +101,8 @@ def triton_server(overrides: Mapping[str, object] | None = None, *, ready_timeou
     with tempfile.TemporaryDirectory(prefix="neo-test-server-") as work_dir:
         log_path = Path(work_dir) / "tritonserver.log"
         with open(log_path, "w") as log_file:
-            process = launch(address, overrides, work_dir=Path(work_dir), repository=repository, stdout=log_file)
+            process = launch(address, overrides, work_dir=Path(work_dir), repository=repository, stdout=log_file,
+                             extra_args=extra_args)
         server = RunningServer(process, address, log_path)
         try:
             if wait:

@@ -424,3 +424,15 @@ def test_no_eval_exec_or_pickle_in_the_request_path():
                     found += [f"{path.relative_to(REPO)}:{node.lineno} import {m}" for m in modules
                               if m.split(".")[0] in ("pickle", "cPickle", "marshal", "dill", "shelve")]
     assert not found, found
+
+
+def test_grpc_can_be_restricted_to_clients_with_a_key():
+    """Authentication through Triton's own option, passed as `make serve` passes NEO_TRITON_ARGS."""
+    key = "x-neo-key"
+    restricted = [f"--grpc-restricted-protocol=health,inference:{key}=s3cret"]
+    with triton_server({"num_gpu_blocks": 64, "max_model_len": 256}, extra_args=restricted) as running:
+        client = grpcclient.InferenceServerClient(running.grpc_url)
+        with pytest.raises(InferenceServerException, match="(?i)unauthenticated|restricted|header"):
+            client.is_server_ready(client_timeout=10)
+        assert client.is_server_ready(headers={f"triton-grpc-protocol-{key}": "s3cret"}, client_timeout=10)
+        client.close()
