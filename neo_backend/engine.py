@@ -110,10 +110,6 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._seqs)
 
-    @property
-    def num_requests(self) -> int:
-        return len(self._seqs)
-
     def stats_snapshot(self) -> dict[str, Any]:
         """Counters and gauges for logs, `--stats` and the Triton metrics."""
         sched = self.scheduler

@@ -31,7 +31,3 @@ class KernelError(NeoError):
 
 class KernelInputError(KernelError, ValueError):
     """Tensors handed to the CPU attention library have the wrong shape, dtype or layout."""
-
-
-class RequestAbortedError(NeoError):
-    """The request was cancelled by its client or by shutdown."""

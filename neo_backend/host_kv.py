@@ -7,6 +7,7 @@ the device pool on the copy stream; the compute stream waits on its event before
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -105,7 +106,7 @@ class BlockSwapper:
 
     def _on_copy_stream(self):
         if self.stream is None:
-            return _NullContext()
+            return contextlib.nullcontext()
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         return torch.cuda.stream(self.stream)
 
@@ -115,14 +116,6 @@ class BlockSwapper:
         event = torch.cuda.Event()
         event.record(self.stream)
         return event
-
-
-class _NullContext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 @dataclass

@@ -78,10 +78,6 @@ class Scheduler:
         self.swap_in_blocks = 0
 
     @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running) + len(self.cpu_running)
-
-    @property
     def cpu_behind(self) -> bool:
         """The fail-safe's signal: CPU work runs much slower than predicted, so `auto` stops giving it more."""
         return self.perf is not None and max(self.perf.cpu_correction, self.perf.offload_slowdown) > CPU_BEHIND
