@@ -230,11 +230,6 @@ class Scheduler:
         """
         if not ready:
             return
-        if self.perf is None:
-            out.cpu_decodes = ready
-            out.pipelined = self.config.pipeline == "on" and len(ready) > 1
-            out.split = len(ready) // 2
-            return
         gpu_tokens, gpu_ctx = self._gpu_work(out)
         gpu_alone = self.perf.sequential(gpu_tokens, gpu_ctx, 0, 0)
         bound = gpu_alone * self.config.cpu_latency_slack if self.policy == "auto" and gpu_tokens else float("inf")
