@@ -54,31 +54,37 @@ class ModelRunner:
         self.k_caches, self.v_caches = self._allocate_kv(self.num_gpu_blocks + 1)
         log.info("device KV pool: %d blocks x %d tokens (%.2f GiB, %s on %s)", self.num_gpu_blocks,
                  self.block_size, self.num_gpu_blocks * self.block_bytes / 2 ** 30, self.dtype, self.device)
-        self.host_cache: HostKVCache | None = None
-        self.swapper: BlockSwapper | None = None
-        self.host_attention: HostAttention | None = None
-        self.pipeline: PipelinedExecutor | None = None
-        num_cpu_blocks = int(config.cpu_kv_cache_gb * 2 ** 30) // self.block_bytes
-        if config.offload_policy != "never" and model_cfg.head_dim not in cpu_attention.SUPPORTED_HEAD_DIMS:
-            log.warning("head_dim %d has no CPU attention kernel (supported: %s); offloading is off",
-                        model_cfg.head_dim, cpu_attention.SUPPORTED_HEAD_DIMS)
-            num_cpu_blocks = 0
-        elif config.offload_policy == "auto" and self.device.type == "cpu" and config.num_gpu_blocks is None:
-            log.info("offload_policy auto on a CPU device with no num_gpu_blocks limit: nothing to offload")
-            num_cpu_blocks = 0
-        if config.offload_policy != "never" and num_cpu_blocks > 0:
-            self.host_cache = HostKVCache(model_cfg, num_cpu_blocks, self.block_size, self.dtype,
-                                          pin=self.device.type == "cuda")
-            self.swapper = BlockSwapper(self.k_caches, self.v_caches, self.host_cache, self.device)
-            self.host_attention = HostAttention(self.host_cache, model_cfg.head_dim ** -0.5, self.device,
-                                                config.cpu_attention_threads)
-            self.pipeline = PipelinedExecutor(self.host_attention)
-
+        self._init_offload(config, model_cfg)
         self.decode_graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
             self.decode_graphs = DecodeGraphs(self.model, self.device, config.max_num_seqs,
                                               (max_model_len + self.block_size - 1) // self.block_size,
                                               scratch_block=self.num_gpu_blocks, block_size=self.block_size)
+
+    def _init_offload(self, config: EngineConfig, model_cfg: ModelConfig) -> None:
+        """The host side of NEO: pinned host pool, swapper, CPU attention and the pipelined executor."""
+        self.host_cache: HostKVCache | None = None
+        self.swapper: BlockSwapper | None = None
+        self.host_attention: HostAttention | None = None
+        self.pipeline: PipelinedExecutor | None = None
+        if config.offload_policy == "never":
+            return
+        if model_cfg.head_dim not in cpu_attention.SUPPORTED_HEAD_DIMS:
+            log.warning("head_dim %d has no CPU attention kernel (supported: %s); offloading is off",
+                        model_cfg.head_dim, cpu_attention.SUPPORTED_HEAD_DIMS)
+            return
+        if config.offload_policy == "auto" and self.device.type == "cpu" and config.num_gpu_blocks is None:
+            log.info("offload_policy auto on a CPU device with no num_gpu_blocks limit: nothing to offload")
+            return
+        num_cpu_blocks = int(config.cpu_kv_cache_gb * 2 ** 30) // self.block_bytes
+        if num_cpu_blocks == 0:
+            return
+        self.host_cache = HostKVCache(model_cfg, num_cpu_blocks, self.block_size, self.dtype,
+                                      pin=self.device.type == "cuda")
+        self.swapper = BlockSwapper(self.k_caches, self.v_caches, self.host_cache, self.device)
+        self.host_attention = HostAttention(self.host_cache, model_cfg.head_dim ** -0.5, self.device,
+                                            config.cpu_attention_threads)
+        self.pipeline = PipelinedExecutor(self.host_attention)
 
     @property
     def num_cpu_blocks(self) -> int:
