@@ -12,7 +12,7 @@ RATE ?=
 WORKLOAD ?= fixed
 SOAK_DURATION ?= 300
 
-.PHONY: install build model serve test test-slow bench-kernel bench loadtest soak clean
+.PHONY: install build model serve test bench-kernel bench loadtest soak clean
 
 install: $(STAMP)
 
@@ -35,9 +35,6 @@ serve: build model
 
 test: build model
 	$(PY) -m pytest -q
-
-test-slow: build model
-	$(PY) -m pytest -q -m slow
 
 bench-kernel: build
 	$(PY) bench/kernel.py
