@@ -403,6 +403,11 @@ class TritonPythonModel:
 
         threading.Thread(target=watch, name="neo-sigterm", daemon=True).start()
 
+    def is_ready(self) -> bool:
+        """Model readiness for Triton releases whose python backend asks the model (python_backend PR #430);
+        the bundled 2.51 does not, and there a dead engine answers every request with UNAVAILABLE instead."""
+        return self.engine.healthy
+
     def execute(self, requests: list[Any]) -> None:
         for request in requests:
             self._start(request)
