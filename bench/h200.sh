@@ -5,7 +5,9 @@
 set -u
 export PYTHONUNBUFFERED=1 OUT="${OUT:-bench/results/h200-run}"
 mkdir -p "$OUT"
-# The dummy 8B shape has no tokenizer; give it one (the default model's, converted: `make model` caches it).
+# The dummy 8B shape has no tokenizer; give it one (the default model's, converted and cached by `make model`):
+#   mkdir -p .carry && cp -r ~/.cache/neo-triton/tokenizers/*/ .carry/tokenizer   (here, before the call;
+#   `.carry/` in .git/info/exclude, named in the device call's carry list)
 TOKENIZER="${TOKENIZER:-.carry/tokenizer}"
 step() { local limit=$1; shift; echo "=== $* (limit ${limit}s)"; timeout "$limit" "$@"; echo "=== exit $?"; }
 {
