@@ -24,7 +24,6 @@ import os
 import queue
 import random
 import re
-import socket
 import sys
 import tempfile
 import threading
@@ -38,10 +37,10 @@ from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 import tritonclient.grpc as grpcclient
-from tritonclient.utils import InferenceServerException
 
 from client import ClientError, NeoClient
 
+from .metrics import metric_value, scrape_metrics
 from .workloads import WORDS
 
 MODEL = "neo"
@@ -200,35 +199,15 @@ def memory_sample(pids: list[int]) -> MemorySample:
     return MemorySample(rss, pinned, alive)
 
 
-_SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)")
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
-
-
-def scrape(metrics_url: str, timeout: float = 10.0) -> list[tuple[str, dict[str, str], float]]:
-    with urllib.request.urlopen(metrics_url, timeout=timeout) as response:
-        text = response.read().decode()
-    samples = []
-    for line in text.splitlines():
-        match = _SAMPLE.match(line)
-        if match and not line.startswith("#"):
-            samples.append((match.group("name"), dict(_LABEL.findall(match.group("labels") or "")),
-                            float(match.group("value"))))
-    return samples
-
-
-def metric(samples: list, name: str, **labels: str) -> float:
-    return sum(v for n, ls, v in samples if n == name and all(ls.get(k) == x for k, x in labels.items()))
-
-
 def engine_gauges(metrics_url: str) -> dict[str, float]:
-    samples = scrape(metrics_url)
-    return {"requests": metric(samples, "neo_requests"),
-            "gpu_blocks_used": metric(samples, "neo_kv_blocks_used", pool="gpu"),
-            "cpu_blocks_used": metric(samples, "neo_kv_blocks_used", pool="cpu")}
+    samples = scrape_metrics(metrics_url)
+    return {"requests": metric_value(samples, "neo_requests"),
+            "gpu_blocks_used": metric_value(samples, "neo_kv_blocks_used", pool="gpu"),
+            "cpu_blocks_used": metric_value(samples, "neo_kv_blocks_used", pool="cpu")}
 
 
 def failures_by_reason(metrics_url: str) -> Counter:
-    return Counter({ls.get("reason", ""): v for n, ls, v in scrape(metrics_url)
+    return Counter({ls.get("reason", ""): v for n, ls, v in scrape_metrics(metrics_url)
                     if n == "neo_request_failures_total"})
 
 
@@ -330,7 +309,7 @@ class SoakReport:
             f"  memory idle warm:    {mem(self.memory_baseline)}",
             f"  memory end:          {mem(self.memory_end)}",
             f"  drift:               {drift}",
-            f"  RSS during the load: " + (", ".join(f"{t:.0f}s {m:.0f}" for t, m in self.rss_trace) or "n/a")
+            "  RSS during the load: " + (", ".join(f"{t:.0f}s {m:.0f}" for t, m in self.rss_trace) or "n/a")
             + " (MiB)",
         ]
         for unexpected in self.unexpected[:5]:
@@ -492,21 +471,13 @@ def run_soak(url: str, metrics_url: str, duration_s: float, *, concurrency: int 
 
 # A server of its own ---------------------------------------------------------------------------------------------
 
-def _free_ports(count: int) -> list[int]:
-    with contextlib.ExitStack() as stack:
-        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-
-
 @contextlib.contextmanager
 def own_server(knobs: Mapping[str, object], ready_timeout: float = 600.0) -> Iterator[tuple[str, str, int]]:
     """A tritonserver on free 127.0.0.1 ports started as `make serve` starts one; yields (grpc url, metrics url,
     pid) and stops it (SIGTERM, then kill) on exit."""
-    from neo_backend.server import ServerAddress, launch, stop_server
+    from neo_backend.server import ServerAddress, free_ports, launch, stop_server
 
-    http, grpc, metrics = _free_ports(3)
+    http, grpc, metrics = free_ports(3)
     address = ServerAddress("127.0.0.1", http, grpc, metrics)
     with tempfile.TemporaryDirectory(prefix="neo-soak-") as work_dir:
         log_path = Path(work_dir) / "tritonserver.log"

