@@ -8,7 +8,7 @@ from neo_backend import EngineConfig, ModelConfig, SamplingParams
 from neo_backend.block_manager import BlockManager
 from neo_backend.host_kv import BlockSwapper, HostKVCache
 from neo_backend.perf_model import PerfModel
-from neo_backend.scheduler import CPU_BEHIND, Scheduler
+from neo_backend.scheduler import CPU_BEHIND, Scheduler, SchedulerOutput
 from neo_backend.sequence import Placement, Sequence
 
 BLOCK = 4
@@ -101,7 +101,6 @@ def test_pipelined_split_balances_cpu_attention_against_dense_work():
     model = perf(dense_fixed=5e-3, dense_per_token=1e-5, cpu_per_token=2e-6, cpu_per_request=0.0)
     sched = make_scheduler("always", gpu_blocks=64, model=model, pipeline="auto")
     ready = [request(i, prompt_len=1000) for i in range(8)]
-    from neo_backend.scheduler import SchedulerOutput
     out = SchedulerOutput()
     sched._plan_cpu_decodes(out, ready)
     assert out.pipelined and 0 < out.split < 8
@@ -116,31 +115,28 @@ def test_pipelined_split_balances_cpu_attention_against_dense_work():
 def test_sequential_when_cpu_attention_is_cheap():
     model = perf(dense_fixed=20e-3, cpu_per_token=1e-9, cpu_per_request=1e-7)
     sched = make_scheduler("always", gpu_blocks=64, model=model)
-    from neo_backend.scheduler import SchedulerOutput
     out = SchedulerOutput()
     sched._plan_cpu_decodes(out, [request(i, 50) for i in range(8)])
     assert not out.pipelined and len(out.cpu_decodes) == 8
 
 
-def _prefill_heavy_output(sched: Scheduler):
-    from neo_backend.scheduler import SchedulerOutput
-
-    prompt = request(100, 1000)
-    return SchedulerOutput(prefills=[(prompt, 1000)])
+def _prefill_heavy_output() -> SchedulerOutput:
+    """An iteration whose GPU part is one 1000-token prefill."""
+    return SchedulerOutput(prefills=[(request(100, 1000), 1000)])
 
 
 def test_auto_admits_cpu_work_that_hides_under_the_gpu_and_never_starves():
     model = perf(dense_fixed=2e-3, dense_per_token=2e-5, cpu_per_token=1e-6, cpu_per_request=1e-5)
     sched = make_scheduler("auto", gpu_blocks=512, model=model)
     cpu_ready = [request(i, 2000) for i in range(16)]
-    out = _prefill_heavy_output(sched)
+    out = _prefill_heavy_output()
     sched._plan_cpu_decodes(out, list(cpu_ready))
     gpu_alone = model.sequential(1000, 1000, 0, 0)
     assert 0 < len(out.cpu_decodes) < 16 and out.pipelined
     assert out.predicted_time <= gpu_alone * sched.config.cpu_latency_slack
     seen = set()
     for _ in range(8):
-        out = _prefill_heavy_output(sched)
+        out = _prefill_heavy_output()
         sched._plan_cpu_decodes(out, list(cpu_ready))
         seen |= {s.request_id for s in out.cpu_decodes}
     assert seen == {s.request_id for s in cpu_ready}, "every CPU-request runs within a few iterations"
@@ -150,13 +146,13 @@ def test_fail_safe_backs_off_when_the_cpu_is_slower_than_predicted():
     model = perf(dense_fixed=2e-3, dense_per_token=2e-5, cpu_per_token=1e-6, cpu_per_request=1e-5)
     sched = make_scheduler("auto", gpu_blocks=512, model=model)
     cpu_ready = [request(i, 2000) for i in range(16)]
-    healthy = _prefill_heavy_output(sched)
+    healthy = _prefill_heavy_output()
     sched._plan_cpu_decodes(healthy, list(cpu_ready))
     for _ in range(10):  # the CPU is hogged: attention takes 5x the prediction
         model.observe_cpu(predicted=1e-3 * model.cpu_correction, measured=5e-3)
     assert model.cpu_correction > CPU_BEHIND and sched.cpu_behind
     sched._skipped.clear()
-    slowed = _prefill_heavy_output(sched)
+    slowed = _prefill_heavy_output()
     sched._plan_cpu_decodes(slowed, list(cpu_ready))
     assert len(slowed.cpu_decodes) < len(healthy.cpu_decodes)
     assert slowed.predicted_time <= model.sequential(1000, 1000, 0, 0) * sched.config.cpu_latency_slack
