@@ -12,4 +12,7 @@ step() { local limit=$1; shift; echo "=== $* (limit ${limit}s)"; timeout "$limit
       --policies never auto --cpu-kv-cache-gb 32 --tokenizer "$TOKENIZER" --json "$OUT/serving_a_24gb.json"
   step 200 python3 bench/serving.py --rates 8 16 --num-requests 160 --policies never auto \
       --cpu-kv-cache-gb 16 --tokenizer "$TOKENIZER" --json "$OUT/serving_c_h200.json"
+  step 200 python3 bench/contention.py --gpu-memory-gb 24 --rate 6 --policies auto always never \
+      --warmup-seconds 8 --phase-seconds 12 --cpu-kv-cache-gb 32 --tokenizer "$TOKENIZER" \
+      --json "$OUT/contention.json"
 } 2>&1 | tee "$OUT/serving_log.txt"

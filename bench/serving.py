@@ -17,7 +17,7 @@ import statistics
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -37,6 +37,7 @@ class Record:
     end: float | None = None
     tokens: int = 0
     error: str | None = None
+    token_times: list[float] = field(default_factory=list)  # perf_counter() at which each output token arrived
 
 
 def make_trace(num: int, rate: float, workload: str, vocab: int, seed: int, fixed: tuple[int, int] = (256, 128)
@@ -70,6 +71,7 @@ def replay(front: StreamingEngine, trace, timeout_s: float) -> list[Record]:
                 if out.token_ids and rec.first is None:
                     rec.first = now
                 rec.tokens += len(out.token_ids)
+                rec.token_times += [now] * len(out.token_ids)
                 if out.error:
                     rec.error = out.error
         except Exception as exc:  # recorded, counted as a failure in the report
@@ -122,6 +124,32 @@ def kv_blocks_for(gpu_memory_gb: float, config: EngineConfig) -> int:
     return max(1, int(free // block_bytes))
 
 
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The engine's knobs plus --gpu-memory-gb; without --model the benchmarks run the dummy Llama-3-8B shape."""
+    parser.add_argument("--gpu-memory-gb", type=float, help="emulate a GPU of this size (sets num_gpu_blocks)")
+    EngineConfig.add_cli_args(parser)
+
+
+def start_engine(args: argparse.Namespace, policy: str) -> StreamingEngine:
+    if args.model is None:
+        args.model, args.load_format = LLAMA3_8B, "dummy"
+    args.offload_policy = policy
+    config = EngineConfig.from_cli_args(args)
+    if args.gpu_memory_gb:
+        config.num_gpu_blocks = kv_blocks_for(args.gpu_memory_gb, config)
+    return StreamingEngine(config)
+
+
+def trace_vocab(front: StreamingEngine) -> int:
+    """Token ids a trace may use: in both the model's vocabulary and the tokenizer's."""
+    return min(front.engine.model_config.vocab_size, len(front.engine.tokenizer))
+
+
+def without_last_iteration(stats: dict) -> dict:
+    """An engine stats snapshot, less the last iteration's details."""
+    return {k: v for k, v in stats.items() if k != "last_iteration"}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--policies", nargs="+", default=["never", "auto"])
@@ -129,28 +157,21 @@ def main() -> int:
     parser.add_argument("--num-requests", type=int, default=200)
     parser.add_argument("--workload", choices=["a10g", "fixed"], default="a10g")
     parser.add_argument("--fixed", nargs=2, type=int, default=[256, 128], metavar=("INPUT", "OUTPUT"))
-    parser.add_argument("--gpu-memory-gb", type=float, help="emulate a GPU of this size (sets num_gpu_blocks)")
     parser.add_argument("--slo-factor", type=float, default=1.5)
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--json", type=Path)
-    EngineConfig.add_cli_args(parser)
+    add_engine_args(parser)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.model is None:
-        args.model, args.load_format = LLAMA3_8B, "dummy"
     results: dict[str, list[dict]] = {}
     for policy in args.policies:
-        args.offload_policy = policy
-        config = EngineConfig.from_cli_args(args)
-        if args.gpu_memory_gb:
-            config.num_gpu_blocks = kv_blocks_for(args.gpu_memory_gb, config)
-        front = StreamingEngine(config)
-        vocab = min(front.engine.model_config.vocab_size, len(front.engine.tokenizer))
+        front = start_engine(args, policy)
+        num_gpu_blocks, vocab = front.config.num_gpu_blocks, trace_vocab(front)
         results[policy] = []
         for rate in args.rates:
             trace = make_trace(args.num_requests, rate, args.workload, vocab, int(rate * 1000), tuple(args.fixed))
             row = {"rate": rate, **summarize(replay(front, trace, args.timeout)),
-                   "stats": {k: v for k, v in front.engine.stats_snapshot().items() if k != "last_iteration"}}
+                   "stats": without_last_iteration(front.engine.stats_snapshot())}
             results[policy].append(row)
             print(f"{policy:7s} rate {rate:6.2f}: {row['requests_per_s']:.2f} req/s {row['output_tokens_per_s']:.0f} "
                   f"tok/s  TPOT p99 {row['tpot_p99_s']}  TTFT p99 {row['ttft_p99_s']}  failed {row['failed']}",
@@ -164,7 +185,7 @@ def main() -> int:
         ok = [r for r in rows if r["tpot_p99_s"] is not None and r["tpot_p99_s"] <= slo and not r["failed"]]
         best[policy] = max((r["output_tokens_per_s"] for r in ok), default=0.0)
     report = {"slo_tpot_p99_s": slo, "best_throughput_under_slo": best, "results": results,
-              "num_gpu_blocks": config.num_gpu_blocks, "args": {k: str(v) for k, v in vars(args).items()}}
+              "num_gpu_blocks": num_gpu_blocks, "args": {k: str(v) for k, v in vars(args).items()}}
     if best.get("never"):
         report["ratios_over_never"] = {p: b / best["never"] for p, b in best.items()}
     if args.json:
