@@ -185,14 +185,15 @@ def main() -> int:
     add_engine_args(parser)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    results = {}
+    results, ratios = {}, {}
     for policy in args.policies:
         results[policy] = run_policy(args, policy)
+        ratios[policy] = ratio(results[policy], "contention")
         print_policy(policy, results[policy])
-    ratios = {p: ratio(r, "contention") for p, r in results.items()}
-    if args.json:
-        args.json.write_text(json.dumps({"p99_tpot_ratio": ratios, "results": results,
-                                         "args": {k: str(v) for k, v in vars(args).items()}}, indent=1, default=str))
+        if args.json:   # after each policy, so that a run cut short still leaves what it measured
+            args.json.write_text(json.dumps({"p99_tpot_ratio": ratios, "results": results,
+                                             "args": {k: str(v) for k, v in vars(args).items()}},
+                                            indent=1, default=str))
     print(" ".join(f"{p}_p99_tpot_ratio={r:.3f}" for p, r in ratios.items()))
     return 0
 
