@@ -6,7 +6,11 @@ import pytest
 import torch
 
 from neo_backend import EngineConfig, LLMEngine
+from neo_backend.layers import fused
+from neo_backend.layers.activation import silu_and_mul_reference
+from neo_backend.layers.norm import add_rms_norm_reference
 from neo_backend.layers.paged_decode import decode_attention, decode_attention_reference
+from neo_backend.layers.rotary import RotaryEmbedding, rotate_reference
 
 from test_generation import _collect, _mixed_requests
 
@@ -15,11 +19,13 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(32, 8, 128, 16), (9, 3, 64, 16), (8, 8, 64, 32)])
-def test_triton_decode_kernel_matches_reference(dtype, heads, kv_heads, head_dim, block_size):
+@pytest.mark.parametrize("max_len,spare_blocks", [(1500, 0), (200, 0), (700, 300)])
+def test_triton_decode_kernel_matches_reference(dtype, heads, kv_heads, head_dim, block_size, max_len, spare_blocks):
+    """Contexts of one split and of several, and a table much wider than any context (as in CUDA graphs)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     batch, num_blocks = 37, 512
-    lens = torch.randint(1, 1500, (batch,), device="cuda", generator=gen, dtype=torch.int32)
-    width = int((lens.max() + block_size - 1) // block_size)
+    lens = torch.randint(1, max_len, (batch,), device="cuda", generator=gen, dtype=torch.int32)
+    width = int((lens.max() + block_size - 1) // block_size) + spare_blocks
     tables = torch.randint(0, num_blocks, (batch, width), device="cuda", generator=gen, dtype=torch.int32)
     k = torch.randn(num_blocks, block_size, kv_heads, head_dim, device="cuda", generator=gen).to(dtype)
     v = torch.randn(num_blocks, block_size, kv_heads, head_dim, device="cuda", generator=gen).to(dtype)
@@ -28,6 +34,28 @@ def test_triton_decode_kernel_matches_reference(dtype, heads, kv_heads, head_dim
     ref = decode_attention_reference(q.double(), k.double(), v.double(), tables, lens, head_dim ** -0.5)
     assert torch.isfinite(ours).all()
     assert ((ours - ref).norm() / ref.norm()).item() < 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_layers_match_reference(dtype):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x, res = (torch.randn(33, 4096, device="cuda", generator=gen).to(dtype) for _ in range(2))
+    weight = torch.randn(4096, device="cuda", generator=gen).to(dtype)
+    for residual in (None, res):
+        for ours, ref in zip(fused.add_rms_norm(x, residual, weight, 1e-5),
+                             add_rms_norm_reference(x, residual, weight, 1e-5)):
+            torch.testing.assert_close(ours, ref)
+    rotary = RotaryEmbedding(128, 4096, 500000.0, None).cuda()
+    qkv = torch.randn(33, 48 * 128, device="cuda", generator=gen).to(dtype)
+    q, k, _ = (t.view(33, -1, 128) for t in qkv.split([32 * 128, 8 * 128, 8 * 128], dim=-1))
+    positions = torch.randint(0, 4096, (33,), device="cuda", generator=gen)
+    cos, sin = rotary.cos[positions].unsqueeze(1), rotary.sin[positions].unsqueeze(1)
+    expected_q, expected_k = rotate_reference(q, cos, sin), rotate_reference(k, cos, sin)
+    fused.rotary_(positions, q, k, rotary.cos, rotary.sin)
+    torch.testing.assert_close(q, expected_q)
+    torch.testing.assert_close(k, expected_k)
+    gate_up = torch.randn(33, 2 * 14336, device="cuda", generator=gen).to(dtype)
+    torch.testing.assert_close(fused.silu_and_mul(gate_up), silu_and_mul_reference(gate_up))
 
 
 def test_cuda_logits_match_cpu_engine(tiny_model_dirs):

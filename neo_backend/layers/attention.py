@@ -75,8 +75,8 @@ class PagedAttention(torch.nn.Module):
             out[span] = self._prefill(q[span], k[span], v[span], chunk)
         if meta.num_decodes:
             span = slice(meta.num_prefill_tokens, num_dev)
-            out[span] = paged_decode.decode_attention(
-                q[span], self.k_cache, self.v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale)
+            paged_decode.decode_attention(q[span], self.k_cache, self.v_cache, meta.decode_block_tables,
+                                          meta.decode_context_lens, self.scale, out=out[span])
         return out
 
     def _store(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:

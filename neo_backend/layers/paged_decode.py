@@ -16,12 +16,16 @@ except ImportError:  # CPU-only installs have no Triton compiler
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                     context_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, Hq, D]; caches [num_blocks, block_size, Hkv, D]; block_tables int32 [B, max_blocks];
-    context_lens int32 [B] (including the current token) -> [B, Hq, D]."""
+    context_lens int32 [B] (including the current token) -> [B, Hq, D], written into `out` when given."""
     if q.is_cuda and triton is not None:
-        return _decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale)
-    return decode_attention_reference(q, k_cache, v_cache, block_tables, context_lens, scale)
+        return _decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, out)
+    result = decode_attention_reference(q, k_cache, v_cache, block_tables, context_lens, scale)
+    if out is None:
+        return result
+    out.copy_(result)
+    return out
 
 
 def decode_attention_reference(q, k_cache, v_cache, block_tables, context_lens, scale) -> torch.Tensor:
@@ -39,44 +43,68 @@ def decode_attention_reference(q, k_cache, v_cache, block_tables, context_lens, 
     return out.squeeze(2)
 
 
-def _decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale) -> torch.Tensor:
+# Contexts are split into chunks of this many tokens, each chunk one program, merged by log-sum-exp: with one
+# program per (sequence, KV head) a batch of 64 fills only 512 programs, too few to saturate HBM.
+SPLIT_TOKENS = 256
+TOKENS_PER_ITER = 64
+
+
+def _decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, out) -> torch.Tensor:
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
-    out = torch.empty_like(q)
-    tokens_per_iter = max(64, block_size)
-    _paged_decode_kernel[(batch, num_kv_heads)](
-        q, k_cache, v_cache, block_tables, context_lens, out, scale,
+    out = torch.empty_like(q) if out is None else out
+    tokens_per_iter = max(TOKENS_PER_ITER, block_size)
+    split_tokens = max(SPLIT_TOKENS, tokens_per_iter)
+    # The table's width bounds every context: the split count is a function of shapes alone (CUDA graphs).
+    num_splits = triton.cdiv(block_tables.shape[1] * block_size, split_tokens)
+    if num_splits > 1:
+        partial = torch.empty(batch, num_heads, num_splits, head_dim + 2, dtype=torch.float32, device=q.device)
+    else:
+        partial = out
+    common = dict(GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+                  BLOCK_SIZE=block_size, TOKENS=tokens_per_iter, SPLIT_TOKENS=split_tokens)
+    _paged_decode_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, out, partial, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size, TOKENS=tokens_per_iter,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2)
+        block_tables.stride(0), out.stride(0), out.stride(1), SPLIT=num_splits > 1,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2, **common)
+    if num_splits > 1:
+        _merge_splits_kernel[(batch, num_heads)](
+            partial, context_lens, out, out.stride(0), out.stride(1), num_splits,
+            SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, SPLIT_TOKENS=split_tokens, num_warps=4)
     return out
 
 
 if triton is not None:
     @triton.jit
-    def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, scale,
+    def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, partial_ptr, scale,
                              stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_tb, stride_ob, stride_oh,
                              GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                             BLOCK_SIZE: tl.constexpr, TOKENS: tl.constexpr, DOT_PRECISION: tl.constexpr):
-        """One program = all query heads of one KV head of one sequence; online softmax over the context."""
+                             BLOCK_SIZE: tl.constexpr, TOKENS: tl.constexpr, SPLIT_TOKENS: tl.constexpr,
+                             SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        """One program = all query heads of one KV head of one sequence over one chunk of its context, with an
+        online softmax. Split: writes (unnormalized output, max, sum) per head for the merge kernel."""
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
+        split = tl.program_id(2)
         ctx_len = tl.load(lens_ptr + seq)
+        begin = split * SPLIT_TOKENS
+        end = tl.minimum(begin + SPLIT_TOKENS, ctx_len)
         heads = tl.arange(0, GROUP_PAD)
         dims = tl.arange(0, HEAD_DIM)
         head_ok = heads < GROUP
-        q_offs = seq * stride_qb + (kv_head * GROUP + heads)[:, None] * stride_qh + dims[None, :]
-        q = tl.load(q_ptr + q_offs, mask=head_ok[:, None], other=0.0)
+        live = head_ok & (begin < ctx_len)  # chunks past the context store nothing; the merge skips them
+        q_heads = kv_head * GROUP + heads
+        q = tl.load(q_ptr + seq * stride_qb + q_heads[:, None] * stride_qh + dims[None, :], mask=head_ok[:, None],
+                    other=0.0)
         m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         denom = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
         toks = tl.arange(0, TOKENS)
-        for start in range(0, ctx_len, TOKENS):
+        for start in range(begin, end, TOKENS):
             pos = start + toks
-            valid = pos < ctx_len
+            valid = pos < end
             block = tl.load(tables_ptr + seq * stride_tb + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
             kv_offs = block * stride_kb + (pos % BLOCK_SIZE) * stride_kt + kv_head * stride_kh
             k = tl.load(k_ptr + kv_offs[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
@@ -89,6 +117,30 @@ if triton is not None:
             v = tl.load(v_ptr + kv_offs[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m = m_new
-        out = acc / denom[:, None]
-        o_offs = seq * stride_ob + (kv_head * GROUP + heads)[:, None] * stride_oh + dims[None, :]
-        tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
+        if SPLIT:
+            num_splits = tl.num_programs(2)
+            row = ((seq * GROUP * tl.num_programs(1) + q_heads) * num_splits + split) * (HEAD_DIM + 2)
+            tl.store(partial_ptr + row[:, None] + dims[None, :], acc, mask=live[:, None])
+            tl.store(partial_ptr + row + HEAD_DIM, m, mask=live)
+            tl.store(partial_ptr + row + HEAD_DIM + 1, denom, mask=live)
+        else:
+            o_offs = seq * stride_ob + q_heads[:, None] * stride_oh + dims[None, :]
+            tl.store(out_ptr + o_offs, (acc / denom[:, None]).to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
+
+    @triton.jit
+    def _merge_splits_kernel(partial_ptr, lens_ptr, out_ptr, stride_ob, stride_oh, num_splits,
+                             SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT_TOKENS: tl.constexpr):
+        """Log-sum-exp merge of one (sequence, query head)'s chunk results; chunks past the context are skipped."""
+        seq = tl.program_id(0)
+        head = tl.program_id(1)
+        used = tl.cdiv(tl.load(lens_ptr + seq), SPLIT_TOKENS)
+        splits = tl.arange(0, SPLITS_PAD)
+        dims = tl.arange(0, HEAD_DIM)
+        ok = splits < used
+        row = ((seq * tl.num_programs(1) + head) * num_splits + splits) * (HEAD_DIM + 2)
+        m = tl.load(partial_ptr + row + HEAD_DIM, mask=ok, other=float("-inf"))
+        denom = tl.load(partial_ptr + row + HEAD_DIM + 1, mask=ok, other=0.0)
+        acc = tl.load(partial_ptr + row[:, None] + dims[None, :], mask=ok[:, None], other=0.0)
+        weight = tl.where(ok, tl.exp(m - tl.max(m, 0)), 0.0)
+        out = tl.sum(acc * weight[:, None], 0) / tl.sum(denom * weight, 0)
+        tl.store(out_ptr + seq * stride_ob + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))

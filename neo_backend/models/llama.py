@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
+from ..layers.activation import silu_and_mul
 from ..layers.attention import AttentionMetadata, PagedAttention
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding
@@ -50,8 +51,7 @@ class DecoderLayer(nn.Module):
 
     def attention_outputs(self, attn_out: torch.Tensor, residual: torch.Tensor):
         hidden, residual = self.post_attention_layernorm(self.o_proj(attn_out.flatten(1)), residual)
-        gate, up = self.gate_up_proj(hidden).chunk(2, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up), residual
+        return self.down_proj(silu_and_mul(self.gate_up_proj(hidden))), residual
 
     def forward(self, positions, hidden, residual, meta: AttentionMetadata):
         q, k, v, residual = self.attention_inputs(positions, hidden, residual)
