@@ -66,7 +66,7 @@ struct Kernel {
     for (int c = 1; c < NC; ++c) {
       for (int u = 0; u < TU; ++u) kk[u] = Vec::load(k + u * row + c * W);
       for (int g = 0; g < GS; ++g) {
-        const R qv = Vec::load(q + g * D + c * W);
+        const R qv = Vec::in_register(Vec::load(q + g * D + c * W));
         for (int u = 0; u < TU; ++u) a[u][g] = Vec::fmadd(qv, kk[u], a[u][g]);
       }
     }

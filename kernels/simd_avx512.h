@@ -32,6 +32,12 @@ struct Vec {
   static R mul(R a, R b) { return _mm512_mul_ps(a, b); }
   static R max(R a, R b) { return _mm512_max_ps(a, b); }
   static R fmadd(R a, R b, R c) { return _mm512_fmadd_ps(a, b, c); }
+  // v, kept in a register: GCC otherwise folds a load that feeds several FMAs into each of them, and in
+  // the score loop those repeated loads, not the FMAs, set the pace.
+  static R in_register(R v) {
+    __asm__("" : "+v"(v));
+    return v;
+  }
   // Into L2 (T1): measured no worse than T0, and it keeps prefetched rows out of an 8-way L1 where the
   // 2 KiB token stride of one KV head maps many rows onto few sets.
   static void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }

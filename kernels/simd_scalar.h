@@ -19,6 +19,7 @@ struct Vec {
   static float hsum(R v) { return v; }
   static float hmax(R v) { return v; }
   static R fmadd(R a, R b, R c) { return a * b + c; }
+  static R in_register(R v) { return v; }
   static void prefetch(const void* p) { __builtin_prefetch(p); }
   static R exp(R x) { return std::exp(x); }
   static R reduce_rows(const float* rows) { return rows[0]; }
