@@ -90,12 +90,22 @@ def roofline(engine: LLMEngine) -> dict:
     }
 
 
+def profile(engine: LLMEngine, num_requests: int, prompt_len: int, output_len: int) -> None:
+    """Print the kernels that take the device's time over a short trace (prefill and decode steps)."""
+    from torch.profiler import ProfilerActivity
+    run_trace(engine, 2, 16, 2)
+    with torch.profiler.profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run_trace(engine, num_requests, prompt_len, output_len, seed=3)
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-requests", type=int, default=16)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--roofline", action="store_true", help="decode/prefill against the device's ceilings")
+    parser.add_argument("--profile", action="store_true", help="print the top device kernels of the trace")
     parser.add_argument("--json", type=Path, help="also write the results here")
     EngineConfig.add_cli_args(parser)
     args = parser.parse_args()
@@ -110,6 +120,8 @@ def main() -> int:
               "model": config.model or "default (SmolLM2-135M-Instruct)"}
     if engine.runner.device.type == "cuda":
         result["gpu"] = torch.cuda.get_device_name(engine.runner.device)
+    if args.profile:
+        profile(engine, args.num_requests, args.prompt_len, args.output_len)
     if args.roofline:
         result.update(roofline(engine))
     else:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on the lent H200 machine: builds the CPU kernel, checks the CUDA paths, then times the
-# kernel, the engine against its roofline, the pipeline overlap, and transformers on the same GPU
-# (bench/hf_peer.py). Logs and JSON land in $OUT; figures afterwards with bench/plots.py (its flags name the files).
+# engine against its roofline (with a kernel profile of the prefill and decode steps) and the pipeline overlap.
+# Logs and JSON land in $OUT; figures afterwards with bench/plots.py (its flags name the files).
 # Run from the repository root:  bash bench/h200.sh   (OUT defaults to bench/results/h200-run)
 set -u
 export PYTHONUNBUFFERED=1 OUT="${OUT:-bench/results/h200-run}"
@@ -14,9 +14,9 @@ step() { local limit=$1; shift; echo "=== $* (limit ${limit}s)"; timeout "$limit
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   nproc; python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)'
-  step 120 python3 -m neo_backend build-kernel
+  step 90 python3 -m neo_backend build-kernel
   step 150 python3 -m pytest -q -x -p no:cacheprovider tests/test_cuda.py
-  step 170 python3 bench/engine.py --roofline --tokenizer "$TOKENIZER" --json "$OUT/engine.json"
-  step 170 python3 bench/pipeline_overlap.py --tokenizer "$TOKENIZER" --json "$OUT/pipeline.json"
-  step 240 python3 bench/hf_peer.py --tokenizer "$TOKENIZER" --json "$OUT/hf_peer.json"
+  step 150 python3 bench/engine.py --roofline --profile --num-requests 8 --prompt-len 1000 --output-len 4 \
+      --tokenizer "$TOKENIZER" --json "$OUT/engine.json"
+  step 150 python3 bench/pipeline_overlap.py --tokenizer "$TOKENIZER" --json "$OUT/pipeline.json"
 } 2>&1 | tee "$OUT/log.txt" | grep -v "^INFO\| INFO "

@@ -36,9 +36,9 @@ class CapturingHostAttention(HostAttention):
         super().__init__(inner.host, inner.scale, inner.device, None)
         self.calls: list[tuple] = []
 
-    def run(self, layer, batch, q, k, v):
-        self.calls.append((layer, batch, q.clone(), k.clone(), v.clone()))
-        return super().run(layer, batch, q, k, v)
+    def run(self, layer, batch, q, k, v, out):
+        self.calls.append((layer, batch, q.clone(), k.clone(), v.clone(), out.clone()))
+        super().run(layer, batch, q, k, v, out)
 
 
 class InstantHostAttention(HostAttention):
@@ -47,8 +47,8 @@ class InstantHostAttention(HostAttention):
     def __init__(self, inner: HostAttention) -> None:
         super().__init__(inner.host, inner.scale, inner.device, None)
 
-    def run(self, layer, batch, q, k, v):
-        return torch.zeros_like(q)
+    def run(self, layer, batch, q, k, v, out):
+        out.zero_()
 
 
 def build_iteration(engine: LLMEngine, gpu_decodes: int, cpu_decodes: int, context: int, split: int, seed: int):
@@ -68,20 +68,21 @@ def build_iteration(engine: LLMEngine, gpu_decodes: int, cpu_decodes: int, conte
 def measure(engine: LLMEngine, gpu_decodes: int, cpu_decodes: int, context: int) -> dict:
     runner = engine.runner
     device, model = runner.device, runner.model
-    split = 0
+    _, _, split = engine.scheduler.best_mode(gpu_decodes, gpu_decodes * context, [context] * cpu_decodes)
     subs = build_iteration(engine, gpu_decodes, cpu_decodes, context, split, seed=cpu_decodes)
-    real = PipelinedExecutor(runner.host_attention)
-    instant = PipelinedExecutor(InstantHostAttention(runner.host_attention))
+    lane_graphs = runner.pipeline.lane_graphs
+    real = PipelinedExecutor(runner.host_attention, lane_graphs)
+    instant = PipelinedExecutor(InstantHostAttention(runner.host_attention), lane_graphs)
     capture = CapturingHostAttention(runner.host_attention)
     with torch.inference_mode():
         pipelined = timed(lambda: real.run(model, subs), device)
         gpu_alone = timed(lambda: instant.run(model, subs), device)
-        PipelinedExecutor(capture).run(model, subs)
+        PipelinedExecutor(capture, lane_graphs).run(model, subs)
         sync_calls = capture.calls
         cpu_alone = timed(lambda: [runner.host_attention.run(*c) for c in sync_calls], device)
     for executor in (real, instant):
         executor.shutdown()
-    return {"gpu_decodes": gpu_decodes, "cpu_decodes": cpu_decodes, "context": context,
+    return {"gpu_decodes": gpu_decodes, "cpu_decodes": cpu_decodes, "context": context, "split": split,
             "pipelined_ms": pipelined * 1e3, "gpu_alone_ms": gpu_alone * 1e3, "cpu_alone_ms": cpu_alone * 1e3,
             "overlap_ratio": pipelined / max(gpu_alone, cpu_alone)}
 
@@ -103,9 +104,10 @@ def main() -> int:
     rows = [measure(engine, args.gpu_decodes, n, args.context) for n in args.cpu_decodes]
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
-    print(f"{'gpu':>5} {'cpu':>5} {'ctx':>6} {'pipelined_ms':>13} {'gpu_alone_ms':>13} {'cpu_alone_ms':>13} ratio")
+    print(f"{'gpu':>5} {'cpu':>5} {'split':>5} {'ctx':>6} {'pipelined_ms':>13} {'gpu_alone_ms':>13} "
+          f"{'cpu_alone_ms':>13} ratio")
     for r in rows:
-        print(f"{r['gpu_decodes']:5d} {r['cpu_decodes']:5d} {r['context']:6d} {r['pipelined_ms']:13.2f} "
+        print(f"{r['gpu_decodes']:5d} {r['cpu_decodes']:5d} {r['split']:5d} {r['context']:6d} {r['pipelined_ms']:13.2f} "
               f"{r['gpu_alone_ms']:13.2f} {r['cpu_alone_ms']:13.2f} {r['overlap_ratio']:.3f}")
     return 0
 

@@ -48,7 +48,8 @@ class EngineConfig:
     # NEO offload
     offload_policy: str = field(default="auto", metadata={"choices": OFFLOAD_POLICIES})
     cpu_kv_cache_gb: float = field(default=4.0, metadata={"help": "host (pinned) KV pool size in GiB"})
-    cpu_attention_threads: int | None = field(default=None, metadata={"help": "default: the cores this process may use"})
+    cpu_attention_threads: int | None = field(default=None, metadata={
+        "help": "default: the cores this process may use, less one on CUDA (for the launching thread)"})
     pipeline: str = field(default="auto", metadata={"choices": PIPELINE_MODES})
     cpu_latency_slack: float = field(default=1.2, metadata={"help": "auto: an iteration with CPU work may take at "
                                                                     "most this times its GPU part alone"})

@@ -1,7 +1,13 @@
-"""CUDA graphs for decode-only steps: one captured forward per batch-size bucket, replayed with the step's
-inputs copied into static buffers. Launching ~25 kernels per layer from Python costs more than an 8B
-model's decode step on an H200; a replay costs one launch. Padded rows write their k/v to a scratch block
-that no request owns and attend to it alone."""
+"""CUDA graphs for decode-only work. Launching ~12 kernels per layer from Python costs more than an 8B model's
+decode step on an H200; a replay costs one launch.
+
+- `DecodeGraphs`: the whole model per batch-size bucket, for GPU-only decode steps.
+- `LaneGraphs`: one NEO pipeline lane's layer segments per bucket (see pipeline.py), so the two sub-batches
+  can interleave layer by layer around the CPU attention without paying eager launches.
+
+Both replay with the step's inputs copied into static buffers (`DecodeInputs`). Padded rows, and rows whose
+attention runs on the host, write their k/v to a scratch block that no request owns and attend to it alone.
+"""
 from __future__ import annotations
 
 import logging
@@ -19,61 +25,159 @@ def batch_buckets(max_batch: int) -> list[int]:
     return sorted({min(s, max_batch) for s in sizes})
 
 
-class DecodeGraphs:
-    def __init__(self, model, device: torch.device, max_batch: int, max_blocks_per_seq: int, scratch_block: int,
-                 block_size: int) -> None:
-        self.model = model
-        self.buckets = batch_buckets(max_batch)
-        self.max_batch = self.buckets[-1]
-        self.scratch_slot = scratch_block * block_size
-        self.scratch_block = scratch_block
-        n = self.max_batch
-        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
-        self.positions = torch.zeros(n, dtype=torch.long, device=device)
-        self.slots = torch.full((n,), self.scratch_slot, dtype=torch.long, device=device)
-        self.tables = torch.full((n, max_blocks_per_seq), scratch_block, dtype=torch.int32, device=device)
-        self.lens = torch.ones(n, dtype=torch.int32, device=device)
-        self.hidden = torch.empty(0)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
-        self._capture(device)
+def lane_buckets(max_batch: int) -> list[int]:
+    """Coarser than `batch_buckets`: a lane has (layers + 1) graphs per bucket, and padding a decode-only
+    segment costs little (its time is the weights' read)."""
+    sizes = [8 << i for i in range(max(1, max_batch).bit_length())]
+    return sorted({min(s, max_batch) for s in sizes})
 
-    def _meta(self, bs: int) -> AttentionMetadata:
+
+class DecodeInputs:
+    """Static input buffers of captured decode graphs, for up to `max_batch` rows."""
+
+    def __init__(self, device: torch.device, max_batch: int, max_blocks_per_seq: int, scratch_block: int,
+                 block_size: int) -> None:
+        self.max_batch = max_batch
+        self.scratch_block = scratch_block
+        self.scratch_slot = scratch_block * block_size
+        self.input_ids = torch.zeros(max_batch, dtype=torch.long, device=device)
+        self.positions = torch.zeros(max_batch, dtype=torch.long, device=device)
+        self.slots = torch.full((max_batch,), self.scratch_slot, dtype=torch.long, device=device)
+        self.tables = torch.full((max_batch, max_blocks_per_seq), scratch_block, dtype=torch.int32, device=device)
+        self.lens = torch.ones(max_batch, dtype=torch.int32, device=device)
+
+    def meta(self, bs: int) -> AttentionMetadata:
+        """Every row of the bucket attends on the device (rows past the real decodes, to the scratch block)."""
         return AttentionMetadata(slot_mapping=self.slots[:bs], prefills=[], num_prefill_tokens=0,
                                  decode_block_tables=self.tables[:bs], decode_context_lens=self.lens[:bs])
 
+    def load(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, bs: int) -> None:
+        """Copy a decode-only (sub-)batch in: its device decodes first, then rows (host decodes, padding) that
+        point at the scratch block."""
+        n, d = input_ids.numel(), meta.num_decodes
+        width = meta.decode_block_tables.shape[1]
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        self.slots[:d].copy_(meta.slot_mapping)
+        self.slots[d:bs].fill_(self.scratch_slot)
+        self.tables[:d, :width].copy_(meta.decode_block_tables)
+        self.tables[d:bs].fill_(self.scratch_block)
+        self.lens[:d].copy_(meta.decode_context_lens)
+        self.lens[d:bs].fill_(1)
+
+
+def bucket_for(buckets: list[int], rows: int) -> int:
+    return next(b for b in buckets if b >= rows)
+
+
+class DecodeGraphs:
+    def __init__(self, model, inputs: DecodeInputs) -> None:
+        self.model = model
+        self.inputs = inputs
+        self.buckets = batch_buckets(inputs.max_batch)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self._capture()
+
     @torch.inference_mode()
-    def _capture(self, device: torch.device) -> None:
+    def _capture(self) -> None:
         start = time.monotonic()
         pool = None
         for bs in reversed(self.buckets):
-            for _ in range(2):  # warm up: Triton autotuning and allocator state outside the capture
-                self.model(self.input_ids[:bs], self.positions[:bs], self._meta(bs))
-            torch.cuda.synchronize(device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[bs] = self.model(self.input_ids[:bs], self.positions[:bs], self._meta(bs))
-            pool = graph.pool()
-            self.graphs[bs] = graph
-        torch.cuda.synchronize(device)
+            forward = lambda bs=bs: self.model(self.inputs.input_ids[:bs], self.inputs.positions[:bs],  # noqa: E731
+                                               self.inputs.meta(bs))
+            self.graphs[bs], self.outputs[bs] = capture(forward, pool)
+            pool = self.graphs[bs].pool()
         log.info("captured decode CUDA graphs for %d batch sizes up to %d in %.1fs", len(self.buckets),
-                 self.max_batch, time.monotonic() - start)
+                 self.inputs.max_batch, time.monotonic() - start)
 
     def can_run(self, num_decodes: int) -> bool:
-        return 0 < num_decodes <= self.max_batch
+        return 0 < num_decodes <= self.inputs.max_batch
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states of a decode-only batch (rows in order), through the smallest fitting graph."""
         n = input_ids.numel()
-        bs = next(b for b in self.buckets if b >= n)
-        width = meta.decode_block_tables.shape[1]
-        self.input_ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(positions)
-        self.slots[:n].copy_(meta.slot_mapping)
-        self.slots[n:bs].fill_(self.scratch_slot)
-        self.tables[:n, :width].copy_(meta.decode_block_tables)
-        self.tables[n:bs].fill_(self.scratch_block)
-        self.lens[:n].copy_(meta.decode_context_lens)
-        self.lens[n:bs].fill_(1)
+        bs = bucket_for(self.buckets, n)
+        self.inputs.load(input_ids, positions, meta, bs)
         self.graphs[bs].replay()
         return self.outputs[bs][:n]
+
+
+def capture(fn, pool) -> tuple[torch.cuda.CUDAGraph, object]:
+    """Warm `fn` up outside the graph (Triton compiles, the allocator settles), then capture it."""
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph, out
+
+
+class LaneGraphs:
+    """One pipeline lane's decode-only layer segments, captured per bucket and per `with_host` (whether the
+    lane carries host rows: their q/k/v go to pinned buffers and their attention comes back from one).
+
+    Segment L runs everything between two attentions: for L > 0 the merge of the host rows' attention of
+    layer L-1 and that layer's output half; for L < num_layers the input half of layer L and its device
+    attention. Segment num_layers ends with the final norm. Tensors that live across segments are static:
+    `attn`, `residual`, `final` on the device, `host_q/k/v/out` pinned on the host.
+    """
+
+    def __init__(self, model, inputs: DecodeInputs, host_variants: tuple[bool, ...], pool=None) -> None:
+        cfg, device, dtype = model.config, inputs.input_ids.device, model.embed_tokens.weight.dtype
+        n = inputs.max_batch
+        self.model, self.inputs = model, inputs
+        self.buckets = lane_buckets(n)
+        self.num_segments = len(model.layers) + 1
+        self.attn = torch.zeros(n, cfg.num_heads, cfg.head_dim, dtype=dtype, device=device)
+        self.residual = torch.zeros(n, cfg.hidden_size, dtype=dtype, device=device)
+        self.final = torch.zeros(n, cfg.hidden_size, dtype=dtype, device=device)
+        self.host_mask = torch.zeros(n, 1, 1, dtype=torch.bool, device=device)
+        self.host_q = torch.zeros(n, cfg.num_heads, cfg.head_dim, dtype=dtype, pin_memory=True)
+        self.host_k = torch.zeros(n, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, pin_memory=True)
+        self.host_v = torch.zeros(self.host_k.shape, dtype=dtype, pin_memory=True)
+        self.host_out = torch.zeros(self.host_q.shape, dtype=dtype, pin_memory=True)
+        self.graphs: dict[tuple[int, bool, int], torch.cuda.CUDAGraph] = {}
+        self.pool = pool
+        for bs in reversed(self.buckets):
+            for with_host in host_variants:
+                for layer in range(self.num_segments):
+                    self.graphs[bs, with_host, layer], _ = capture(
+                        lambda: self._segment(layer, bs, with_host), self.pool)
+                    self.pool = self.graphs[bs, with_host, layer].pool()
+
+    @torch.inference_mode()
+    def _segment(self, layer_idx: int, bs: int, with_host: bool) -> None:
+        model, inputs = self.model, self.inputs
+        if layer_idx == 0:
+            hidden, residual = model.embed_tokens(inputs.input_ids[:bs]), None
+        else:
+            attn = self.attn[:bs]
+            if with_host:
+                host_out = self.host_out[:bs].to(attn.device, non_blocking=True)
+                attn = torch.where(self.host_mask[:bs], host_out, attn)
+            hidden, residual = model.layers[layer_idx - 1].attention_outputs(attn, self.residual[:bs])
+        if layer_idx == len(model.layers):
+            self.final[:bs].copy_(model.norm(hidden, residual)[0])
+            return
+        layer = model.layers[layer_idx]
+        q, k, v, residual = layer.attention_inputs(inputs.positions[:bs], hidden, residual)
+        self.attn[:bs].copy_(layer.attn.device_attention(q, k, v, inputs.meta(bs)))
+        self.residual[:bs].copy_(residual)
+        if with_host:
+            for host, dev in ((self.host_q, q), (self.host_k, k), (self.host_v, v)):
+                host[:bs].copy_(dev, non_blocking=True)
+
+    def load(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, num_host: int
+             ) -> int:
+        """Copy a decode-only lane in (device decodes, then `num_host` host decodes); returns its bucket."""
+        bs = bucket_for(self.buckets, input_ids.numel())
+        self.inputs.load(input_ids, positions, meta, bs)
+        if num_host:
+            self.host_mask[:bs].fill_(False)
+            self.host_mask[meta.num_decodes:meta.num_decodes + num_host].fill_(True)
+        return bs
+
+    def replay(self, bs: int, with_host: bool, segment: int) -> None:
+        self.graphs[bs, with_host, segment].replay()

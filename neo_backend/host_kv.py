@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -142,22 +143,25 @@ class HostAttention:
         self.host = host
         self.scale = scale
         self.device = device
+        if not num_threads and device.type == "cuda":
+            # one core stays with the thread that launches the device work: OpenMP's static schedule waits
+            # for its slowest thread, and a team on every core shares one with that thread
+            num_threads = max(1, len(os.sched_getaffinity(0)) - 1)
         if num_threads:
             cpu_attention.set_num_threads(num_threads)
         self.seconds = 0.0
 
-    def run(self, layer: int, batch: HostDecodeBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-            ) -> torch.Tensor:
-        """q [B, Hq, D], k/v [B, Hkv, D] on the host (already copied down) -> attention output on the host."""
+    def run(self, layer: int, batch: HostDecodeBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            out: torch.Tensor) -> None:
+        """q [B, Hq, D], k/v [B, Hkv, D] on the host (already copied down) -> attention output into `out`."""
         start = time.perf_counter()
         cpu_attention.append_kv(k, v, self.host.k_caches[layer], self.host.v_caches[layer], batch.slots)
-        out = cpu_attention.paged_decode_attention(q, self.host.k_caches[layer], self.host.v_caches[layer],
-                                                   batch.block_tables, batch.context_lens, self.scale)
+        cpu_attention.paged_decode_attention(q, self.host.k_caches[layer], self.host.v_caches[layer],
+                                             batch.block_tables, batch.context_lens, self.scale, out=out)
         self.seconds += time.perf_counter() - start
-        return out
 
     def to_host(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
-        """Device -> host copies of the CPU-requests' rows (pinned + non-blocking on CUDA, then one sync)."""
+        """Device -> host copies of the CPU-requests' rows (pinned + non-blocking on CUDA)."""
         if self.device.type != "cuda":
             return [t.contiguous() for t in tensors]
         out = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
@@ -165,12 +169,9 @@ class HostAttention:
             dst.copy_(src, non_blocking=True)
         return out
 
-    def __call__(self, layer: int, q, k, v, batch: HostDecodeBatch) -> torch.Tensor:
-        """Sequential mode: the device waits for the host result."""
-        q, k, v = self.to_host(q, k, v)
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-        return self.run(layer, batch, q, k, v).to(self.device, non_blocking=True)
+    def output_buffer(self, q: torch.Tensor) -> torch.Tensor:
+        """Where the kernel writes: pinned on CUDA, so the copy back up does not block the launching thread."""
+        return torch.empty(q.shape, dtype=q.dtype, pin_memory=self.device.type == "cuda")
 
 
 def host_available_bytes() -> int:

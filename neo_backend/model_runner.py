@@ -2,14 +2,14 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 
 from . import cpu_attention
 from .config import EngineConfig, ModelConfig
-from .cuda_graphs import DecodeGraphs
+from .cuda_graphs import DecodeGraphs, DecodeInputs, LaneGraphs
 from .host_kv import BlockSwapper, HostAttention, HostDecodeBatch, HostKVCache, host_available_bytes
 from .layers.attention import AttentionMetadata, PrefillChunk
 from .layers.sampler import SampleResult, Sampler
@@ -54,12 +54,15 @@ class ModelRunner:
         self.k_caches, self.v_caches = self._allocate_kv(self.num_gpu_blocks + 1)
         log.info("device KV pool: %d blocks x %d tokens (%.2f GiB, %s on %s)", self.num_gpu_blocks,
                  self.block_size, self.num_gpu_blocks * self.block_bytes / 2 ** 30, self.dtype, self.device)
-        self._init_offload(config, model_cfg)
         self.decode_graphs: DecodeGraphs | None = None
+        self.max_blocks_per_seq = (max_model_len + self.block_size - 1) // self.block_size
         if self.device.type == "cuda" and not config.enforce_eager:
-            self.decode_graphs = DecodeGraphs(self.model, self.device, config.max_num_seqs,
-                                              (max_model_len + self.block_size - 1) // self.block_size,
-                                              scratch_block=self.num_gpu_blocks, block_size=self.block_size)
+            self.decode_graphs = DecodeGraphs(self.model, self._decode_inputs())
+        self._init_offload(config, model_cfg)
+
+    def _decode_inputs(self) -> DecodeInputs:
+        return DecodeInputs(self.device, self.config.max_num_seqs, self.max_blocks_per_seq,
+                            scratch_block=self.num_gpu_blocks, block_size=self.block_size)
 
     def _init_offload(self, config: EngineConfig, model_cfg: ModelConfig) -> None:
         """The host side of NEO: pinned host pool, swapper, CPU attention and the pipelined executor."""
@@ -84,7 +87,18 @@ class ModelRunner:
         self.swapper = BlockSwapper(self.k_caches, self.v_caches, self.host_cache, self.device)
         self.host_attention = HostAttention(self.host_cache, model_cfg.head_dim ** -0.5, self.device,
                                             config.cpu_attention_threads)
-        self.pipeline = PipelinedExecutor(self.host_attention)
+        self.pipeline = PipelinedExecutor(self.host_attention, self._capture_lane_graphs())
+
+    def _capture_lane_graphs(self) -> list[LaneGraphs] | None:
+        """Segment graphs for the pipeline's two lanes; lane 0 may carry no host rows, lane 1 always does."""
+        if self.decode_graphs is None:
+            return None
+        start = time.monotonic()
+        lanes = [LaneGraphs(self.model, self._decode_inputs(), (False, True)),
+                 LaneGraphs(self.model, self._decode_inputs(), (True,))]
+        log.info("captured %d pipeline segment graphs in %.1fs", sum(len(g.graphs) for g in lanes),
+                 time.monotonic() - start)
+        return lanes
 
     @property
     def num_cpu_blocks(self) -> int:
@@ -147,19 +161,18 @@ class ModelRunner:
         """Run one step; returns the sequences that sampled a token, and their samples."""
         if self.swapper is not None:
             self.swapper.wait_swap_in()
-        if batch.pipelined:
-            split = batch.split
-            subs = [self.prepare(batch.prefills, batch.gpu_decodes, batch.cpu_decodes[:split]),
-                    self.prepare([], [], batch.cpu_decodes[split:])]
-            hiddens = self.pipeline.run(self.model, [s.sub for s in subs])
-            hidden = torch.cat([h[s.sample_rows] for h, s in zip(hiddens, subs)])
-            sample_seqs = subs[0].sample_seqs + subs[1].sample_seqs
+        if batch.cpu_decodes:
+            split = batch.split if batch.pipelined else len(batch.cpu_decodes)
+            steps = [self.prepare(batch.prefills, batch.gpu_decodes, batch.cpu_decodes[:split])]
+            if split < len(batch.cpu_decodes):
+                steps.append(self.prepare([], [], batch.cpu_decodes[split:]))
+            hiddens = self.pipeline.run(self.model, [s.sub for s in steps])
+            hidden = torch.cat([h[s.sample_rows] for h, s in zip(hiddens, steps)])
+            sample_seqs = [seq for s in steps for seq in s.sample_seqs]
         else:
-            step = self.prepare(batch.prefills, batch.gpu_decodes, batch.cpu_decodes)
+            step = self.prepare(batch.prefills, batch.gpu_decodes, [])
             sub = step.sub
-            if sub.host_batch is not None:
-                sub.meta.host_attention = partial(self.host_attention, batch=sub.host_batch)
-            if self.decode_graphs is not None and not batch.prefills and not batch.cpu_decodes and \
+            if self.decode_graphs is not None and not batch.prefills and \
                     self.decode_graphs.can_run(len(batch.gpu_decodes)):
                 hidden = self.decode_graphs.run(sub.input_ids, sub.positions, sub.meta)
             else:
@@ -199,8 +212,7 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots, torch.long), prefills=chunks, num_prefill_tokens=num_prefill,
             decode_block_tables=self._block_tables(gpu_decodes, self.device),
-            decode_context_lens=self._tensor([len(s.token_ids) for s in gpu_decodes], torch.int32),
-            num_host_decodes=len(cpu_decodes))
+            decode_context_lens=self._tensor([len(s.token_ids) for s in gpu_decodes], torch.int32))
         host_batch = None
         if cpu_decodes:
             host_batch = HostDecodeBatch(

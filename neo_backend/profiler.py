@@ -23,7 +23,8 @@ def load_or_profile(runner, host_cache, threads: int) -> PerfModel:
     device_name = torch.cuda.get_device_name(runner.device) if runner.device.type == "cuda" else "cpu"
     key_fields = {"model": asdict(cfg), "dtype": str(runner.dtype), "device": device_name, "threads": threads,
                   "block_size": runner.block_size, "max_tokens": runner.config.max_num_batched_tokens,
-                  "isa": cpu_attention.active_isa(), "version": 1}
+                  "isa": cpu_attention.active_isa(),
+                  "cuda_graphs": runner.decode_graphs is not None, "version": 2}
     key = hashlib.sha256(json.dumps(key_fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
     path = runner.config.cache_path / "profiles" / f"{key}.json"
     cached = load_cached(path)
@@ -69,7 +70,11 @@ def _dense_forward(runner, tokens: int) -> None:
     meta = AttentionMetadata(slot_mapping=torch.arange(tokens, device=device), prefills=[], num_prefill_tokens=0,
                              decode_block_tables=table,
                              decode_context_lens=torch.ones(tokens, dtype=torch.int32, device=device))
-    hidden = runner.model(ids, ids, meta)
+    graphs = runner.decode_graphs
+    if graphs is not None and graphs.can_run(tokens):  # what decode steps of this size run through
+        hidden = graphs.run(ids, ids, meta)
+    else:
+        hidden = runner.model(ids, ids, meta)
     runner.model.compute_logits(hidden)
 
 

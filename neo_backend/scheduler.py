@@ -236,9 +236,9 @@ class Scheduler:
         ready = sorted(ready, key=lambda s: -self._skipped.get(s.request_id, 0))
         forced = sum(1 for s in ready if self._skipped.get(s.request_id, 0) >= MAX_SKIPPED_ITERATIONS)
         ctx = [len(s.token_ids) for s in ready]
-        count, (predicted, pipelined, split) = forced, self._best_mode(gpu_tokens, gpu_ctx, ctx[:forced])
+        count, (predicted, pipelined, split) = forced, self.best_mode(gpu_tokens, gpu_ctx, ctx[:forced])
         for n in range(len(ready), forced, -1):
-            plan = self._best_mode(gpu_tokens, gpu_ctx, ctx[:n])
+            plan = self.best_mode(gpu_tokens, gpu_ctx, ctx[:n])
             if plan[0] <= bound:
                 count, (predicted, pipelined, split) = n, plan
                 break
@@ -249,7 +249,7 @@ class Scheduler:
         for seq in ready:
             self._skipped[seq.request_id] = 0 if seq in out.cpu_decodes else self._skipped.get(seq.request_id, 0) + 1
 
-    def _best_mode(self, gpu_tokens: int, gpu_ctx: int, ctx: list[int]) -> tuple[float, bool, int]:
+    def best_mode(self, gpu_tokens: int, gpu_ctx: int, ctx: list[int]) -> tuple[float, bool, int]:
         """(predicted time, pipelined?, split) with the best tokens/s for these CPU decodes."""
         time, pipelined, split = self._best_mode_uncorrected(gpu_tokens, gpu_ctx, ctx)
         return (time * self.perf.offload_slowdown if ctx else time), pipelined, split

@@ -3,13 +3,12 @@
 One step's tokens are laid out as [prefill chunks | device decodes | host decodes]. Each token's k/v is
 written into the paged pool at its slot; prefill chunks attend causally to their sequence's cached prefix
 plus themselves; device decodes use the paged decode kernel (fused Triton kernel on CUDA, a gather + SDPA
-reference elsewhere); host decodes (NEO's CPU-requests) are handed to `AttentionMetadata.host_attention`.
+reference elsewhere). Host decodes (NEO's CPU-requests) ride at the end of a sub-batch; their rows of the
+output are left for the pipeline (pipeline.py) to fill from the CPU kernel.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
-
 import torch
 import torch.nn.functional as F
 
@@ -31,9 +30,6 @@ class AttentionMetadata:
     num_prefill_tokens: int
     decode_block_tables: torch.Tensor          # int32 [num_decodes, max_blocks]
     decode_context_lens: torch.Tensor          # int32 [num_decodes], including the new token
-    num_host_decodes: int = 0
-    # (layer index, q, k, v) -> output, for the host decodes at the end of the batch (NEO offload).
-    host_attention: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     @property
     def num_decodes(self) -> int:
@@ -56,12 +52,8 @@ class PagedAttention(torch.nn.Module):
         self.v_cache = torch.empty(0)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
-        out = self.device_attention(q, k, v, meta)
-        if meta.num_host_decodes:
-            n = meta.num_device_tokens
-            out[n:] = meta.host_attention(self.layer_idx, q[n:], k[n:], v[n:])
-        return out
+        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D] (rows past the device tokens left unset)."""
+        return self.device_attention(q, k, v, meta)
 
     def device_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
                          ) -> torch.Tensor:
@@ -99,8 +91,11 @@ class PagedAttention(torch.nn.Module):
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """Causal (mask=None) or masked attention of one sequence: q [Tq, Hq, D], k/v [Tk, Hkv, D]."""
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-        attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
-    return out.transpose(0, 1)
+    """Causal (mask=None) or masked attention of one sequence: q [Tq, Hq, D], k/v [Tk, Hkv, D]. SDPA's fused
+    CUDA kernels need 4-D inputs, and the masked one no `enable_gqa`: K/V heads are repeated instead."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale)
+    return out.squeeze(0).transpose(0, 1)
