@@ -111,7 +111,7 @@ class Scheduler:
         self._swapped_in.clear()
         self.complete_swaps()
         out = SchedulerOutput()
-        if self.policy == "auto" and not self.waiting:
+        if self.policy == "auto" and (not self.waiting or self.cpu_behind):
             self._swap_in()
         if self.policy != "never":
             self._make_room_for_admission()
@@ -159,7 +159,7 @@ class Scheduler:
             self._swapped_in.add(seq.request_id)
 
     def _make_room_for_admission(self) -> None:
-        if not self.waiting or self.cpu_behind and self.policy == "auto":
+        if not self.waiting:
             return
         head = self.waiting[0]
         need = self.gpu_blocks.blocks_needed(min(head.num_uncomputed_tokens, self.config.max_num_batched_tokens))
@@ -185,7 +185,7 @@ class Scheduler:
         while not self.gpu_blocks.can_grow(seq, num_tokens):
             victim = self.running[-1]
             if not (victim.is_decode and victim.request_id not in self._swapped_in and
-                    not (self.policy == "auto" and self.cpu_behind) and self._swap_out(victim, complete=True)):
+                    self._swap_out(victim, complete=True)):
                 self._preempt(victim, out)
             if victim is seq:
                 return False
@@ -280,7 +280,7 @@ class Scheduler:
         for seq, n in out.prefills:
             if seq.num_computed_tokens + n != len(seq.token_ids):
                 continue
-            if self.policy == "always" or (not self.cpu_behind and self.gpu_blocks.num_free_blocks < reserve):
+            if self.policy == "always" or self.gpu_blocks.num_free_blocks < reserve:
                 out.offload_after_step.append(seq)
 
     # Movement ---------------------------------------------------------------------------------------------
@@ -295,6 +295,8 @@ class Scheduler:
         """Move `seq`'s KV to the host pool; False if the policy or the host pool does not allow it."""
         if self.policy == "never" or not self.cpu_blocks.num_free_blocks >= len(seq.block_table) + 1:
             return False
+        if self.policy == "auto" and not self._cpu_can_take(seq):
+            return False
         cpu = self.cpu_blocks.allocate(len(seq.block_table))
         self.swapper.swap_out(seq.block_table, cpu)
         self.swap_out_blocks += len(cpu)
@@ -305,6 +307,19 @@ class Scheduler:
         if complete:
             self.complete_swaps()
         return True
+
+    def _cpu_can_take(self, seq: Sequence) -> bool:
+        """Whether the host's decodes, `seq` among them, are predicted to fit the latency bound beside the device's
+        decodes. A request the CPU cannot serve in time is better recomputed later than starved on the host."""
+        if self.perf is None:
+            return True
+        if self.cpu_behind:
+            return False
+        cpu = self.cpu_running + [seq]
+        cpu_time = self.perf.cpu_attention(len(cpu), sum(len(s.token_ids) for s in cpu)) * self.perf.offload_slowdown
+        gpu = [s for s in self.running if s is not seq]
+        gpu_time = self.perf.sequential(len(gpu), sum(len(s.token_ids) for s in gpu), 0, 0)
+        return cpu_time <= gpu_time * self.config.cpu_latency_slack
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         (self.running if seq in self.running else self.cpu_running).remove(seq)

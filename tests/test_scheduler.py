@@ -81,6 +81,17 @@ def test_gpu_shortage_swaps_out_under_auto_and_preempts_under_never():
             assert sched.swap_out_blocks == 0 and sched.num_preemptions > 0
 
 
+def test_auto_recomputes_instead_of_swapping_out_when_the_cpu_could_not_keep_up():
+    """A host that would take far longer than the device's decodes gets no request: it would starve there."""
+    slow_cpu = perf(dense_fixed=1e-3, dense_per_token=1e-6, cpu_per_request=50e-3)
+    sched = make_scheduler("auto", gpu_blocks=8, model=slow_cpu)
+    for i in range(4):
+        sched.add(request(i, prompt_len=7))
+    for _ in range(12):
+        run_step(sched)
+    assert sched.swap_out_blocks == 0 and not sched.cpu_running and sched.num_preemptions > 0
+
+
 def test_swap_in_when_room_returns_and_never_both_ways_in_one_iteration():
     sched = make_scheduler("auto", gpu_blocks=12)
     seqs = [request(i, prompt_len=7) for i in range(4)]
