@@ -107,7 +107,8 @@ def main() -> int:
     print(f"{'gpu':>5} {'cpu':>5} {'split':>5} {'ctx':>6} {'pipelined_ms':>13} {'gpu_alone_ms':>13} "
           f"{'cpu_alone_ms':>13} ratio")
     for r in rows:
-        print(f"{r['gpu_decodes']:5d} {r['cpu_decodes']:5d} {r['split']:5d} {r['context']:6d} {r['pipelined_ms']:13.2f} "
+        print(f"{r['gpu_decodes']:5d} {r['cpu_decodes']:5d} {r['split']:5d} {r['context']:6d} "
+              f"{r['pipelined_ms']:13.2f} "
               f"{r['gpu_alone_ms']:13.2f} {r['cpu_alone_ms']:13.2f} {r['overlap_ratio']:.3f}")
     return 0
 

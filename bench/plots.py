@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
+ROOT = RESULTS.parent.parent
 SCENARIOS = {  # name: (default input, title)
     "a_24gb": (RESULTS / "h200_serving_a_24gb.json", "(a) emulated 24 GB GPU"),
     "b_80gb": (RESULTS / "h200_serving_b_80gb.json", "(b) emulated 80 GB GPU"),
@@ -68,11 +69,11 @@ def neo_over_gpu_only(report: dict) -> float | None:
 def scenario_summary(name: str, path: Path, title: str, out_dir: Path) -> dict:
     notes: list[str] = []
     report = read_json(path, notes)
-    summary = {"source": str(path), "neo_over_gpu_only": None}
+    summary = {"source": _shown(path), "neo_over_gpu_only": None}
     if report is not None:
         png = out_dir / f"h200_serving_{name}.png"
         plot_scenario(report, title, png)
-        summary.update(neo_over_gpu_only=neo_over_gpu_only(report), plot=str(png),
+        summary.update(neo_over_gpu_only=neo_over_gpu_only(report), plot=_shown(png),
                        slo_tpot_p99_s=report.get("slo_tpot_p99_s"),
                        best_throughput_under_slo=report.get("best_throughput_under_slo"))
         if summary["neo_over_gpu_only"] is None:
@@ -89,6 +90,12 @@ def figure(path: Path, keys: tuple[str, ...], notes: list[str]) -> dict:
     if missing:
         notes.append(f"{path}: no {', '.join(missing)}")
     return {k: report.get(k) for k in keys}
+
+
+def _shown(path: Path) -> str:
+    """A path as the JSON records it: relative to the repository when inside it."""
+    resolved = Path(path).resolve()
+    return str(resolved.relative_to(ROOT)) if resolved.is_relative_to(ROOT) else str(path)
 
 
 def main() -> int:
@@ -108,7 +115,7 @@ def main() -> int:
                       for name, (_, title) in SCENARIOS.items()},
         **figure(args.roofline, ("decode_step_over_floor", "prefill_fraction_of_matmul_peak"), notes),
         **figure(args.hf_peer, ("over_hf_transformers",), notes),
-        "sources": {"roofline": str(args.roofline), "hf_peer": str(args.hf_peer)},
+        "sources": {"roofline": _shown(args.roofline), "hf_peer": _shown(args.hf_peer)},
     }
     if notes:
         summary["notes"] = notes

@@ -111,9 +111,9 @@ class PipelinedExecutor:
         return [lane.final() for lane in lanes]
 
     def _lane(self, model, index: int, sub: SubBatch) -> EagerLane | GraphLane:
-        decode_only = not sub.meta.prefills
-        if self.lane_graphs is not None and decode_only and sub.input_ids.numel() <= self.lane_graphs[index].inputs.max_batch:
-            return GraphLane(self.lane_graphs[index], sub)
+        graphs = self.lane_graphs[index] if self.lane_graphs is not None else None
+        if graphs is not None and not sub.meta.prefills and sub.input_ids.numel() <= graphs.inputs.max_batch:
+            return GraphLane(graphs, sub)
         return EagerLane(model, sub)
 
     def _attend_on_host(self, lane: EagerLane | GraphLane, layer_idx: int) -> Future:
