@@ -106,7 +106,8 @@ def cb_config(model, prompts: list[list[int]], output_len: int):
 
     config = ContinuousBatchingConfig()
     if model.device.type == "cpu":
-        blocks_per_request = -(-(max(map(len, prompts)) + output_len) // config.block_size) + 1
+        page = getattr(config, "page_size", None) or config.block_size  # renamed page_size after 5.17
+        blocks_per_request = -(-(max(map(len, prompts)) + output_len) // page) + 1
         config.num_blocks = len(prompts) * blocks_per_request
         config.max_batch_tokens = EngineConfig.max_num_batched_tokens
     return config
