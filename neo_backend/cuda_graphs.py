@@ -46,6 +46,9 @@ class DecodeInputs:
         self.tables = torch.full((max_batch, max_blocks_per_seq), scratch_block, dtype=torch.int32, device=device)
         self.lens = torch.ones(max_batch, dtype=torch.int32, device=device)
 
+    def fits(self, rows: int) -> bool:
+        return 0 < rows <= self.max_batch
+
     def meta(self, bs: int) -> AttentionMetadata:
         """Every row of the bucket attends on the device (rows past the real decodes, to the scratch block)."""
         return AttentionMetadata(slot_mapping=self.slots[:bs], prefills=[], num_prefill_tokens=0,
@@ -92,7 +95,7 @@ class DecodeGraphs:
                  self.inputs.max_batch, time.monotonic() - start)
 
     def can_run(self, num_decodes: int) -> bool:
-        return 0 < num_decodes <= self.inputs.max_batch
+        return self.inputs.fits(num_decodes)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states of a decode-only batch (rows in order), through the smallest fitting graph."""
@@ -124,12 +127,11 @@ class LaneGraphs:
     `attn`, `residual`, `final` on the device, `host_q/k/v/out` pinned on the host.
     """
 
-    def __init__(self, model, inputs: DecodeInputs, host_variants: tuple[bool, ...], pool=None) -> None:
+    def __init__(self, model, inputs: DecodeInputs, host_variants: tuple[bool, ...]) -> None:
         cfg, device, dtype = model.config, inputs.input_ids.device, model.embed_tokens.weight.dtype
         n = inputs.max_batch
         self.model, self.inputs = model, inputs
         self.buckets = lane_buckets(n)
-        self.num_segments = len(model.layers) + 1
         self.attn = torch.zeros(n, cfg.num_heads, cfg.head_dim, dtype=dtype, device=device)
         self.residual = torch.zeros(n, cfg.hidden_size, dtype=dtype, device=device)
         self.final = torch.zeros(n, cfg.hidden_size, dtype=dtype, device=device)
@@ -139,13 +141,12 @@ class LaneGraphs:
         self.host_v = torch.zeros(self.host_k.shape, dtype=dtype, pin_memory=True)
         self.host_out = torch.zeros(self.host_q.shape, dtype=dtype, pin_memory=True)
         self.graphs: dict[tuple[int, bool, int], torch.cuda.CUDAGraph] = {}
-        self.pool = pool
+        pool = None
         for bs in reversed(self.buckets):
             for with_host in host_variants:
-                for layer in range(self.num_segments):
-                    self.graphs[bs, with_host, layer], _ = capture(
-                        lambda: self._segment(layer, bs, with_host), self.pool)
-                    self.pool = self.graphs[bs, with_host, layer].pool()
+                for layer in range(len(model.layers) + 1):
+                    graph, _ = capture(lambda: self._segment(layer, bs, with_host), pool)
+                    self.graphs[bs, with_host, layer], pool = graph, graph.pool()
 
     @torch.inference_mode()
     def _segment(self, layer_idx: int, bs: int, with_host: bool) -> None:
@@ -163,7 +164,7 @@ class LaneGraphs:
             return
         layer = model.layers[layer_idx]
         q, k, v, residual = layer.attention_inputs(inputs.positions[:bs], hidden, residual)
-        self.attn[:bs].copy_(layer.attn.device_attention(q, k, v, inputs.meta(bs)))
+        self.attn[:bs].copy_(layer.attn(q, k, v, inputs.meta(bs)))
         self.residual[:bs].copy_(residual)
         if with_host:
             for host, dev in ((self.host_q, q), (self.host_k, k), (self.host_v, v)):

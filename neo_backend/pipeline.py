@@ -35,8 +35,8 @@ class SubBatch:
 class EagerLane:
     """A sub-batch laid out as [prefills | device decodes | host decodes], run with eager launches."""
 
-    def __init__(self, model, sub: SubBatch) -> None:
-        self.model, self.sub = model, sub
+    def __init__(self, model, sub: SubBatch, host_attention: HostAttention) -> None:
+        self.model, self.sub, self.host_attention = model, sub, host_attention
         self.num_device = sub.meta.num_device_tokens
         self.hidden = model.embed_tokens(sub.input_ids)
         self.residual: torch.Tensor | None = None
@@ -44,7 +44,7 @@ class EagerLane:
         self.host_qkv: list[torch.Tensor] = []
         self.host_out: torch.Tensor | None = None
 
-    def segment(self, layer_idx: int, host_attention: HostAttention) -> None:
+    def segment(self, layer_idx: int) -> None:
         model, n = self.model, self.num_device
         if layer_idx > 0:
             if self.host_out is not None:
@@ -55,10 +55,10 @@ class EagerLane:
             return
         layer = model.layers[layer_idx]
         q, k, v, self.residual = layer.attention_inputs(self.sub.positions, self.hidden, self.residual)
-        self.attn_out = layer.attn.device_attention(q, k, v, self.sub.meta)
+        self.attn_out = layer.attn(q, k, v, self.sub.meta)
         if self.sub.host_batch is not None:
-            self.host_qkv = host_attention.to_host(q[n:], k[n:], v[n:])
-            self.host_out = host_attention.output_buffer(self.host_qkv[0])
+            self.host_qkv = self.host_attention.to_host(q[n:], k[n:], v[n:])
+            self.host_out = self.host_attention.output_buffer(self.host_qkv[0])
 
     def host_inputs(self) -> tuple[torch.Tensor, ...]:
         return (*self.host_qkv, self.host_out)
@@ -77,7 +77,7 @@ class GraphLane:
         self.with_host = sub.host_batch is not None
         self.bs = graphs.load(sub.input_ids, sub.positions, sub.meta, self.rows - self.num_device)
 
-    def segment(self, layer_idx: int, host_attention: HostAttention) -> None:
+    def segment(self, layer_idx: int) -> None:
         self.graphs.replay(self.bs, self.with_host, layer_idx)
 
     def host_inputs(self) -> tuple[torch.Tensor, ...]:
@@ -105,16 +105,16 @@ class PipelinedExecutor:
                 if futures[i] is not None:
                     futures[i].result()
                     futures[i] = None
-                lane.segment(layer_idx, self.host_attention)
+                lane.segment(layer_idx)
                 if layer_idx < num_layers and lane.sub.host_batch is not None:
                     futures[i] = self._attend_on_host(lane, layer_idx)
         return [lane.final() for lane in lanes]
 
     def _lane(self, model, index: int, sub: SubBatch) -> EagerLane | GraphLane:
         graphs = self.lane_graphs[index] if self.lane_graphs is not None else None
-        if graphs is not None and not sub.meta.prefills and sub.input_ids.numel() <= graphs.inputs.max_batch:
+        if graphs is not None and not sub.meta.prefills and graphs.inputs.fits(sub.input_ids.numel()):
             return GraphLane(graphs, sub)
-        return EagerLane(model, sub)
+        return EagerLane(model, sub, self.host_attention)
 
     def _attend_on_host(self, lane: EagerLane | GraphLane, layer_idx: int) -> Future:
         ready = None

@@ -9,6 +9,7 @@ output are left for the pipeline (pipeline.py) to fill from the CPU kernel.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -52,12 +53,8 @@ class PagedAttention(torch.nn.Module):
         self.v_cache = torch.empty(0)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D] (rows past the device tokens left unset)."""
-        return self.device_attention(q, k, v, meta)
-
-    def device_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
-                         ) -> torch.Tensor:
-        """Attention of the device rows (prefills, GPU decodes); host rows of the result are left unset."""
+        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]: the device rows (prefills, GPU decodes); host rows of
+        the result are left unset."""
         num_dev = meta.num_device_tokens
         out = torch.empty_like(q)
         if num_dev:

@@ -1,7 +1,7 @@
 """Decode attention over a paged KV pool: one query token per sequence.
 
-On CUDA this is one fused Triton kernel (no gather of the context into a dense buffer); elsewhere a gather +
-SDPA reference, which is also what the kernel is tested against.
+On CUDA this is a split-K Triton kernel (no gather of the context into a dense buffer) and a merge kernel;
+elsewhere a gather + SDPA reference, which is also what the kernels are tested against.
 """
 from __future__ import annotations
 
@@ -14,12 +14,14 @@ try:
 except ImportError:  # CPU-only installs have no Triton compiler
     triton = None
 
+from . import fused
+
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, Hq, D]; caches [num_blocks, block_size, Hkv, D]; block_tables int32 [B, max_blocks];
     context_lens int32 [B] (including the current token) -> [B, Hq, D], written into `out` when given."""
-    if q.is_cuda and triton is not None:
+    if fused.available(q):
         return _decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, out)
     result = decode_attention_reference(q, k_cache, v_cache, block_tables, context_lens, scale)
     if out is None:
@@ -62,13 +64,13 @@ def _decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, out) 
         partial = torch.empty(batch, num_heads, num_splits, head_dim + 2, dtype=torch.float32, device=q.device)
     else:
         partial = out
-    common = dict(GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-                  BLOCK_SIZE=block_size, TOKENS=tokens_per_iter, SPLIT_TOKENS=split_tokens)
     _paged_decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, partial, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1), SPLIT=num_splits > 1,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2, **common)
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        TOKENS=tokens_per_iter, SPLIT_TOKENS=split_tokens, SPLIT=num_splits > 1,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2)
     if num_splits > 1:
         _merge_splits_kernel[(batch, num_heads)](
             partial, context_lens, out, out.stride(0), out.stride(1), num_splits,
