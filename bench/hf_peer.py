@@ -21,6 +21,7 @@ JSON (written after each system) and the others still run.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import logging
@@ -39,6 +40,7 @@ import torch  # noqa: E402
 from common import LLAMA3_8B, sync  # noqa: E402
 from neo_backend import EngineConfig, LLMEngine  # noqa: E402
 from neo_backend.loader import load_tokenizer, read_model_config, resolve_source  # noqa: E402
+from neo_backend.model_runner import resolve_device, resolve_dtype  # noqa: E402
 
 SYSTEMS = ("hf_generate", "hf_generate_batch", "neo")
 WARMUP_PROMPT_LEN, WARMUP_OUTPUT_LEN = 16, 4
@@ -54,12 +56,6 @@ def prompt_vocab(config: EngineConfig) -> int:
     source = resolve_source(config)
     model_cfg = read_model_config(source)
     return min(model_cfg.vocab_size, len(load_tokenizer(source, config, model_cfg)))
-
-
-def torch_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
-    if config.dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, config.dtype)
 
 
 def release_memory(device: torch.device) -> None:
@@ -191,7 +187,7 @@ def run_hf(names: list[str], config: EngineConfig, prompts: list[list[int]], out
     runners = {"hf_generate": hf_generate, "hf_generate_batch": hf_generate_batch}
     device = torch.device(config.device)
     try:
-        model = hf_model(config.model, device, torch_dtype(config, device))
+        model = hf_model(config.model, device, resolve_dtype(config, device))
     except Exception as exc:  # every transformers system records it
         logging.exception("building the transformers model failed")
         report["systems"].update({name: {"error": error_text(exc)} for name in names})
@@ -248,11 +244,10 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     if args.model is None:
         args.model = LLAMA3_8B
     args.load_format = args.load_format or "dummy"
-    args.device = args.device if args.device not in (None, "auto") else (
-        "cuda" if torch.cuda.is_available() else "cpu")
     args.offload_policy = args.offload_policy or "never"
     args.max_num_seqs = args.max_num_seqs or max(256, args.num_requests)
-    return EngineConfig.from_cli_args(args)
+    config = EngineConfig.from_cli_args(args)
+    return dataclasses.replace(config, device=resolve_device(config).type)
 
 
 def main() -> int:
