@@ -3,8 +3,11 @@
 #include <immintrin.h>
 #include <omp.h>
 
+#include <time.h>
+
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <new>
 #include <vector>
@@ -193,7 +196,7 @@ int run_attention(const AttnParams& P, int num_threads, bool split_long) {
 #define NEO_API extern "C" __attribute__((visibility("default")))
 
 // Bumped whenever a signature below changes; the Python binding refuses a mismatched library.
-NEO_API int neo_abi_version(void) { return 1; }
+NEO_API int neo_abi_version(void) { return 2; }
 
 // 0 scalar, 1 AVX2+FMA+F16C, 2 AVX-512: the path in use, and the best one this CPU supports.
 NEO_API int neo_isa(void) { return g_isa.load(); }
@@ -248,4 +251,30 @@ NEO_API double neo_stream_read(const float* p, size_t n, int num_threads) {
     total += fn(p + begin, end - begin);
   }
   return total;
+}
+
+// Waits until *flag >= target (returns 0), *flag < 0 (1: the other side failed) or timeout_s passes (2).
+// The hand-off between the engine's launching thread and its CPU-attention thread: for spin_s it spins, so
+// it sees the store within a cache-line transfer, where a futex wake-up costs tens of microseconds on a host
+// whose cores the attention team keeps busy; after that it sleeps 20 us between checks. Spin only where the
+// waiter has a core of its own.
+NEO_API int neo_wait_flag(const int64_t* flag, int64_t target, double spin_s, double timeout_s) {
+  using Clock = std::chrono::steady_clock;
+  using Seconds = std::chrono::duration<double>;
+  const auto start = Clock::now();
+  const auto spin_end = start + std::chrono::duration_cast<Clock::duration>(Seconds(spin_s));
+  const auto deadline = start + std::chrono::duration_cast<Clock::duration>(Seconds(timeout_s));
+  const timespec nap{0, 20000};
+  for (unsigned checks = 0;; ++checks) {
+    const int64_t value = __atomic_load_n(flag, __ATOMIC_ACQUIRE);
+    if (value >= target) return 0;
+    if (value < 0) return 1;
+    if ((checks & 255) != 255) {
+      _mm_pause();
+      continue;
+    }
+    const auto now = Clock::now();
+    if (now >= deadline) return 2;
+    if (now >= spin_end) nanosleep(&nap, nullptr);
+  }
 }

@@ -26,7 +26,7 @@ from .errors import KernelError, KernelInputError
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 ISAS = ("scalar", "avx2", "avx512")  # index = the library's ISA code
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-_ABI_VERSION = 1
+_ABI_VERSION = 2
 _STATUS = {1: "unsupported dtype or head_dim", 2: "out of memory", 3: "invalid argument"}
 
 _lock = threading.Lock()
@@ -60,6 +60,8 @@ def _library() -> ctypes.CDLL:
             lib.neo_stream_read.argtypes = [p, ctypes.c_size_t, i]
             lib.neo_stream_read.restype = ctypes.c_double
             lib.neo_set_isa.argtypes = [i]
+            lib.neo_wait_flag.argtypes = [p, ctypes.c_int64, ctypes.c_double, ctypes.c_double]
+            lib.neo_wait_flag.restype = i
             _lib = lib
         return _lib
 
@@ -218,6 +220,44 @@ def append_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                                f"[0, {num_blocks * block_size})")
     _library().neo_append_kv(k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                              slot_mapping.data_ptr(), b, hkv * d * k.element_size())
+
+
+class Flags:
+    """Counters in host memory that one thread sets and another waits on, spinning in C with the GIL released.
+
+    The pipeline's hand-off between the thread that launches device work and the CPU-attention thread: a
+    spinning waiter sees a store at once, where a condition variable's wake-up costs tens of microseconds per
+    layer. Waiters spin for `spin_s`, then poll every 20 us (spin only where the waiter has a core of its own).
+    A negative value means the setter failed; `wait` reports it instead of waiting on.
+    """
+
+    FAILED = -1
+
+    def __init__(self, size: int, spin_s: float) -> None:
+        self.values = np.zeros(size, dtype=np.int64)
+        self.spin_s = spin_s
+        self._lib = _library()
+
+    def reset(self, size: int) -> None:
+        if self.values.size < size:
+            self.values = np.zeros(size, dtype=np.int64)
+        else:
+            self.values[:size] = 0
+
+    def set(self, index: int, value: int = 1) -> None:
+        self.values[index] = value
+
+    def fail_from(self, index: int) -> None:
+        self.values[index:] = self.FAILED
+
+    def wait(self, index: int, timeout_s: float) -> bool:
+        """True once flag `index` is set; False if it was marked failed. Raises KernelError on timeout."""
+        if not 0 <= index < self.values.size:
+            raise KernelInputError(f"flag index {index} outside [0, {self.values.size})")
+        status = self._lib.neo_wait_flag(self.values.ctypes.data + 8 * index, 1, self.spin_s, float(timeout_s))
+        if status == 2:
+            raise KernelError(f"CPU attention hand-off timed out after {timeout_s:.0f} s")
+        return status == 0
 
 
 def reference_paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

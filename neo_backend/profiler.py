@@ -9,6 +9,7 @@ from dataclasses import asdict
 import torch
 
 from . import cpu_attention
+from .host_kv import HostDecodeBatch
 from .layers.attention import AttentionMetadata
 from .layers.paged_decode import decode_attention
 from .perf_model import PerfModel, fit_line, fit_plane, load_cached, median_time, save
@@ -24,7 +25,7 @@ def load_or_profile(runner, host_cache, threads: int) -> PerfModel:
     key_fields = {"model": asdict(cfg), "dtype": str(runner.dtype), "device": device_name, "threads": threads,
                   "block_size": runner.block_size, "max_tokens": runner.config.max_num_batched_tokens,
                   "isa": cpu_attention.active_isa(),
-                  "cuda_graphs": runner.decode_graphs is not None, "version": 2}
+                  "cuda_graphs": runner.decode_graphs is not None, "version": 3}
     key = hashlib.sha256(json.dumps(key_fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
     path = runner.config.cache_path / "profiles" / f"{key}.json"
     cached = load_cached(path)
@@ -59,8 +60,7 @@ def _profile(runner, host_cache) -> PerfModel:
     gpu_per_token = _gpu_attention_per_token(runner, sync) * cfg.num_layers
     log.info("profiling host decode attention (%d threads)", cpu_attention.get_num_threads())
     cpu_fixed, cpu_per_req, cpu_per_tok = _cpu_attention_fit(runner, host_cache)
-    return PerfModel(dense_fixed, dense_per_token, gpu_per_token, cpu_fixed * cfg.num_layers,
-                     cpu_per_req * cfg.num_layers, cpu_per_tok * cfg.num_layers)
+    return PerfModel(dense_fixed, dense_per_token, gpu_per_token, cpu_fixed, cpu_per_req, cpu_per_tok)
 
 
 def _dense_forward(runner, tokens: int) -> None:
@@ -99,16 +99,27 @@ def _gpu_attention_per_token(runner, sync) -> float:
 
 
 def _cpu_attention_fit(runner, host_cache) -> tuple[float, float, float]:
+    """Host attention of one iteration (append + attention in every layer, as `HostAttention.run` does), fitted
+    by requests and context tokens. Each layer reads its own cache, so the reads come from DRAM as in serving;
+    timing one layer over and over would measure the last-level cache (300 MiB on the H200's host)."""
     cfg, bs = runner.model_cfg, runner.block_size
-    k, v = host_cache.k_caches[0], host_cache.v_caches[0]
+    host = runner.host_attention
     rows, times = [], []
-    for batch, context in ((2, 64), (2, 512), (16, 64), (16, 512), (32, 1024)):
+    for batch, context in ((1, 256), (4, 1024), (8, 1024), (16, 512), (32, 1024)):
         if batch * context > host_cache.num_blocks * bs:
             continue
-        q = torch.randn(batch, cfg.num_heads, cfg.head_dim).to(k.dtype)
+        dtype = host_cache.k_caches[0].dtype
+        q = torch.randn(batch, cfg.num_heads, cfg.head_dim).to(dtype)
+        k = torch.randn(batch, cfg.num_kv_heads, cfg.head_dim).to(dtype)
         tables = _random_tables(batch, context, bs, host_cache.num_blocks, "cpu")
-        lens = torch.full((batch,), context, dtype=torch.int32)
-        t = median_time(lambda: cpu_attention.paged_decode_attention(q, k, v, tables, lens, 0.1), lambda: None)
+        decode = HostDecodeBatch(tables, torch.full((batch,), context, dtype=torch.int32),
+                                 tables[:, -1].long() * bs)
+        out = torch.empty_like(q)
+
+        def iteration() -> None:
+            for layer in range(cfg.num_layers):
+                host.run(layer, decode, q, k, k, out)
+
         rows.append((batch, batch * context))
-        times.append(t)
+        times.append(median_time(iteration, lambda: None, reps=3))
     return fit_plane(rows, times)

@@ -12,11 +12,16 @@ class Tokenizer:
     def __init__(self, hf_tokenizer: Any, eos_token_ids: tuple[int, ...]) -> None:
         self.hf = hf_tokenizer
         self.eos_token_ids = eos_token_ids
+        # The Rust tokenizer decodes as `hf.decode` does without its clean-up pass, at a third of the cost:
+        # the detokenizer calls it twice per generated token.
+        self._backend = getattr(hf_tokenizer, "backend_tokenizer", None)
 
     def encode(self, text: str) -> list[int]:
         return self.hf.encode(text)
 
     def decode(self, token_ids: list[int]) -> str:
+        if self._backend is not None:
+            return self._backend.decode(token_ids, skip_special_tokens=True)
         return self.hf.decode(token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str:

@@ -1,6 +1,8 @@
 """Fault isolation inside the engine: a fault fails the requests it touches, never the engine."""
 from __future__ import annotations
 
+import time
+
 from neo_backend import EngineConfig, KernelError, LLMEngine
 
 from test_generation import _collect, _mixed_requests
@@ -76,3 +78,32 @@ def test_cpu_kernel_failure_fails_over_to_the_gpu(tiny_model_dirs, monkeypatch):
     stats = engine.stats_snapshot()
     assert stats["gpu_blocks_used"] == 0 and stats["cpu_blocks_used"] == 0
     assert stats["cpu_decode_tokens"] > 0, "requests decoded on the CPU before the failure"
+
+
+def test_a_failure_inside_a_pipelined_iteration_does_not_strand_the_cpu_worker(tiny_model_dirs, monkeypatch):
+    """The launching thread fails mid-iteration while the CPU-attention worker waits for its next step: the
+    error reaches the iteration's requests at once and the next pipelined iteration runs normally."""
+    engine = _tiny_engine(tiny_model_dirs, num_gpu_blocks=128, offload_policy="always", pipeline="on",
+                          cpu_kv_cache_gb=0.01)
+    prompts = [[3, 4, 5], [6, 7, 8, 9]]
+    expected = [o.token_ids for o in engine.generate(prompts, {"max_tokens": 6, "temperature": 0})]
+    layer = engine.runner.model.layers[1]
+    real, calls = layer.attention_inputs, []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 9:
+            raise RuntimeError("device lost")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(layer, "attention_inputs", broken)
+    ids = [engine.add_request(p, {"max_tokens": 6, "temperature": 0}) for p in prompts]
+    start = time.monotonic()
+    finals = _drain(engine)
+    assert time.monotonic() - start < 30, "the failed iteration waited for the worker's hand-off timeout"
+    engine.runner.pipeline.worker.submit(lambda: None).result(timeout=5)  # the worker is not stuck
+    assert {finals[i].finish_reason for i in ids} == {"error"} and "device lost" in finals[ids[0]].error
+    monkeypatch.undo()
+    assert [o.token_ids for o in engine.generate(prompts, {"max_tokens": 6, "temperature": 0})] == expected
+    assert engine.counters.modes.get("pipelined", 0) > 0
+    assert engine.stats_snapshot()["cpu_blocks_used"] == 0

@@ -1,6 +1,7 @@
 """Greedy generation, continuous batching, preemption, sampling, stop strings and streaming text."""
 from __future__ import annotations
 
+import random
 import subprocess
 import sys
 
@@ -106,6 +107,17 @@ def test_streamed_deltas_never_split_utf8_or_leak_stop(smollm_engine):
     full = smollm_engine.tokenizer.decode(tokens)
     assert "".join(deltas) == full.split("猫猫猫")[0]
     assert any(ord(c) > 127 for c in "".join(deltas)), "prompt should elicit non-ASCII text"
+
+
+def test_tokenizer_decode_equals_transformers_decode(smollm_engine):
+    """The detokenizer's fast path (the Rust tokenizer) must decode exactly as transformers does."""
+    tok = smollm_engine.tokenizer
+    rng = random.Random(0)
+    specials = list(tok.hf.all_special_ids)
+    for _ in range(300):
+        ids = [rng.randrange(len(tok)) for _ in range(rng.randint(0, 12))] + rng.sample(specials, 1)
+        rng.shuffle(ids)
+        assert tok.decode(ids) == tok.hf.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
 
 def test_finish_reasons_and_logprobs(smollm_engine):

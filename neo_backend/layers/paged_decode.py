@@ -46,9 +46,13 @@ def decode_attention_reference(q, k_cache, v_cache, block_tables, context_lens, 
 
 
 # Contexts are split into chunks of this many tokens, each chunk one program, merged by log-sum-exp: with one
-# program per (sequence, KV head) a batch of 64 fills only 512 programs, too few to saturate HBM.
-SPLIT_TOKENS = 256
+# program per (sequence, KV head) a batch of 64 fills only 512 programs, too few to saturate HBM. The launch
+# parameters are the fastest of a sweep on the H200 (batch 64, context 1024, a 512-block table): 97 us against
+# 117 us for 256-token chunks (`bench/RESULTS.md`).
+SPLIT_TOKENS = 512
 TOKENS_PER_ITER = 64
+NUM_WARPS = 4
+NUM_STAGES = 2
 
 
 def _decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, out) -> torch.Tensor:
@@ -70,7 +74,8 @@ def _decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, out) 
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         TOKENS=tokens_per_iter, SPLIT_TOKENS=split_tokens, SPLIT=num_splits > 1,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2)
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES)
     if num_splits > 1:
         _merge_splits_kernel[(batch, num_heads)](
             partial, context_lens, out, out.stride(0), out.stride(1), num_splits,
