@@ -2,7 +2,8 @@
 
 - pipelined: the real executor, GPU dense work of one sub-batch under the CPU attention of the other;
 - GPU part alone: the same executor with the CPU attention answered instantly (no kernel);
-- CPU part alone: the CPU attention calls of that iteration, back to back, on captured inputs.
+- CPU part alone: the CPU side of that iteration (the same library loop, every layer of every lane), with
+  its inputs captured and every step ready at once.
 
     python bench/pipeline_overlap.py --device cuda      # Llama-3-8B-shaped dummy weights, bf16
 
@@ -24,21 +25,41 @@ import torch  # noqa: E402
 
 from common import LLAMA3_8B, placed_sequence, take_blocks, timed  # noqa: E402
 from neo_backend import EngineConfig, LLMEngine  # noqa: E402
-from neo_backend.host_kv import HostAttention  # noqa: E402
+from neo_backend.cpu_attention import Flags, IterationLane  # noqa: E402
+from neo_backend.host_kv import HostAttention, HostDecodeBatch  # noqa: E402
 from neo_backend.pipeline import PipelinedExecutor  # noqa: E402
 from neo_backend.sequence import Placement  # noqa: E402
 
 
+def host_steps(lanes: list[IterationLane], num_layers: int):
+    """The steps of `HostAttention.run_iteration`, in its order, each once its ready flag is set."""
+    step = 0
+    for layer in range(num_layers):
+        for lane in lanes:
+            lane.ready.wait(layer, 60.0)
+            yield step, layer, lane
+            step += 1
+
+
 class CapturingHostAttention(HostAttention):
-    """Runs the real kernel and keeps each call's inputs, to replay the CPU part alone."""
+    """Runs the real kernel step by step and keeps each lane's first-layer inputs, to replay the CPU part
+    alone through the same library loop as the pipeline (`run_iteration`) with every ready flag set."""
 
     def __init__(self, inner: HostAttention) -> None:
         super().__init__(inner.host, inner.scale, inner.device, None)
-        self.calls: list[tuple] = []
+        self.lanes: list[IterationLane] = []
 
-    def run(self, layer, batch, q, k, v, out):
-        self.calls.append((layer, batch, q.clone(), k.clone(), v.clone(), out.clone()))
-        super().run(layer, batch, q, k, v, out)
+    def run_iteration(self, lanes, done, timeout_s):
+        num_layers = len(self.host.k_caches)
+        for step, layer, lane in host_steps(lanes, num_layers):
+            if layer == 0:
+                always_ready = Flags(num_layers, 0.0)
+                always_ready.values[:] = 1
+                self.lanes.append(IterationLane(lane.q.clone(), lane.k.clone(), lane.v.clone(), lane.out.clone(),
+                                                lane.block_tables, lane.context_lens, lane.slots, always_ready))
+            batch = HostDecodeBatch(lane.block_tables, lane.context_lens, lane.slots)
+            self.run(layer, batch, lane.q, lane.k, lane.v, lane.out)
+            done.set(step)
 
 
 class InstantHostAttention(HostAttention):
@@ -47,8 +68,9 @@ class InstantHostAttention(HostAttention):
     def __init__(self, inner: HostAttention) -> None:
         super().__init__(inner.host, inner.scale, inner.device, None)
 
-    def run(self, layer, batch, q, k, v, out):
-        out.zero_()
+    def run_iteration(self, lanes, done, timeout_s):
+        for step, _, _ in host_steps(lanes, len(self.host.k_caches)):
+            done.set(step)  # the output buffer keeps what it held
 
 
 def build_iteration(engine: LLMEngine, gpu_decodes: int, cpu_decodes: int, context: int, split: int, seed: int):
@@ -65,10 +87,11 @@ def build_iteration(engine: LLMEngine, gpu_decodes: int, cpu_decodes: int, conte
     return [runner.prepare([], gpu, cpu[:split]).sub, runner.prepare([], [], cpu[split:]).sub]
 
 
-def measure(engine: LLMEngine, gpu_decodes: int, cpu_decodes: int, context: int) -> dict:
+def measure(engine: LLMEngine, gpu_decodes: int, cpu_decodes: int, context: int, split: int | None) -> dict:
     runner = engine.runner
     device, model = runner.device, runner.model
-    _, _, split = engine.scheduler.best_mode(gpu_decodes, gpu_decodes * context, [context] * cpu_decodes)
+    if split is None:
+        _, _, split = engine.scheduler.best_mode(gpu_decodes, gpu_decodes * context, [context] * cpu_decodes)
     subs = build_iteration(engine, gpu_decodes, cpu_decodes, context, split, seed=cpu_decodes)
     lane_graphs = runner.pipeline.lane_graphs
     real = PipelinedExecutor(runner.host_attention, lane_graphs)
@@ -78,8 +101,13 @@ def measure(engine: LLMEngine, gpu_decodes: int, cpu_decodes: int, context: int)
         pipelined = timed(lambda: real.run(model, subs), device)
         gpu_alone = timed(lambda: instant.run(model, subs), device)
         PipelinedExecutor(capture, lane_graphs).run(model, subs)
-        sync_calls = capture.calls
-        cpu_alone = timed(lambda: [runner.host_attention.run(*c) for c in sync_calls], device)
+        done = Flags(len(capture.lanes) * len(model.layers), 0.0)
+
+        def cpu_part() -> None:
+            done.reset(done.size)
+            runner.host_attention.run_iteration(capture.lanes, done, 60.0)
+
+        cpu_alone = timed(cpu_part, device)
     for executor in (real, instant):
         executor.shutdown()
     return {"gpu_decodes": gpu_decodes, "cpu_decodes": cpu_decodes, "context": context, "split": split,
@@ -92,6 +120,7 @@ def main() -> int:
     parser.add_argument("--gpu-decodes", type=int, default=64)
     parser.add_argument("--cpu-decodes", type=int, nargs="+", default=[8, 16, 32])
     parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--split", type=int, help="CPU decodes in sub-batch 0 (default: the scheduler's choice)")
     parser.add_argument("--json", type=Path)
     EngineConfig.add_cli_args(parser)
     args = parser.parse_args()
@@ -101,7 +130,7 @@ def main() -> int:
     args.offload_policy = "always"
     args.cpu_kv_cache_gb = args.cpu_kv_cache_gb or 8
     engine = LLMEngine(EngineConfig.from_cli_args(args))
-    rows = [measure(engine, args.gpu_decodes, n, args.context) for n in args.cpu_decodes]
+    rows = [measure(engine, args.gpu_decodes, n, args.context, args.split) for n in args.cpu_decodes]
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     print(f"{'gpu':>5} {'cpu':>5} {'split':>5} {'ctx':>6} {'pipelined_ms':>13} {'gpu_alone_ms':>13} "

@@ -16,6 +16,7 @@ import math
 import os
 import pathlib
 import threading
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -62,6 +63,9 @@ def _library() -> ctypes.CDLL:
             lib.neo_set_isa.argtypes = [i]
             lib.neo_wait_flag.argtypes = [p, ctypes.c_int64, ctypes.c_double, ctypes.c_double]
             lib.neo_wait_flag.restype = i
+            lib.neo_decode_iteration.argtypes = [p, i, i, i, i, i, i, i, ctypes.c_float, i, ctypes.c_double,
+                                                 ctypes.c_double, p]
+            lib.neo_decode_iteration.restype = i
             _lib = lib
         return _lib
 
@@ -149,6 +153,33 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     split across threads and merged exactly (log-sum-exp); results then differ from the unsplit ones
     only by fp32 rounding.
     """
+    if out is None:
+        out = torch.empty_like(q) if isinstance(q, torch.Tensor) else None
+    shape = _check_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out)
+    threads = _thread_count(num_threads)
+    if shape.batch == 0:
+        return out
+    status = _library().neo_paged_attention(
+        q.data_ptr(), _DTYPE_CODES[q.dtype], k_cache.data_ptr(), v_cache.data_ptr(), _DTYPE_CODES[k_cache.dtype],
+        block_tables.data_ptr(), context_lens.data_ptr(), out.data_ptr(), shape.batch, shape.q_heads, shape.kv_heads,
+        shape.head_dim, shape.block_size, shape.max_blocks, float(scale), threads, int(bool(split_long)))
+    if status != 0:
+        raise KernelError(f"paged_decode_attention failed in the library: {_STATUS.get(status, status)}")
+    return out
+
+
+@dataclass(frozen=True)
+class _AttentionShape:
+    batch: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    block_size: int
+    max_blocks: int
+
+
+def _check_attention(q: object, k_cache: object, v_cache: object, block_tables: object, context_lens: object,
+                     scale: object, out: object) -> _AttentionShape:
     num_blocks, block_size, hkv, d = _check_caches(k_cache, v_cache)
     if d not in SUPPORTED_HEAD_DIMS:
         raise KernelInputError(f"head_dim {d} is not supported; supported: {SUPPORTED_HEAD_DIMS}")
@@ -162,25 +193,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     _check_shape("block_tables", block_tables, (b, max_blocks))
     _check("context_lens", context_lens, 1, (torch.int32,))
     _check_shape("context_lens", context_lens, (b,))
-    if out is None:
-        out = torch.empty_like(q)
-    else:
-        _check("out", out, 3, (q.dtype,))
-        _check_shape("out", out, tuple(q.shape))
+    _check("out", out, 3, (q.dtype,))
+    _check_shape("out", out, tuple(q.shape))
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
         raise KernelInputError(f"scale must be a finite float, got {scale!r}")
-    threads = _thread_count(num_threads)
-    if b == 0:
-        return out
-    _check_block_tables(block_tables, context_lens, block_size, num_blocks)
-
-    status = _library().neo_paged_attention(
-        q.data_ptr(), _DTYPE_CODES[q.dtype], k_cache.data_ptr(), v_cache.data_ptr(), _DTYPE_CODES[k_cache.dtype],
-        block_tables.data_ptr(), context_lens.data_ptr(), out.data_ptr(), b, hq, hkv, d, block_size, max_blocks,
-        float(scale), threads, int(bool(split_long)))
-    if status != 0:
-        raise KernelError(f"paged_decode_attention failed in the library: {_STATUS.get(status, status)}")
-    return out
+    if b:
+        _check_block_tables(block_tables, context_lens, block_size, num_blocks)
+    return _AttentionShape(b, hq, hkv, d, block_size, max_blocks)
 
 
 def _check_block_tables(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
@@ -204,6 +223,13 @@ def _check_block_tables(block_tables: torch.Tensor, context_lens: torch.Tensor, 
 def append_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
               slot_mapping: torch.Tensor) -> None:
     """Writes each sequence's new token k/v [B, Hkv, D] at slot = block_id * block_size + offset."""
+    _check_append(k, v, k_cache, v_cache, slot_mapping)
+    if k.shape[0]:
+        _library().neo_append_kv(k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                                 slot_mapping.data_ptr(), k.shape[0], k.shape[1] * k.shape[2] * k.element_size())
+
+
+def _check_append(k: object, v: object, k_cache: object, v_cache: object, slot_mapping: object) -> None:
     num_blocks, block_size, hkv, d = _check_caches(k_cache, v_cache)
     _check("k", k, 3, (k_cache.dtype,))
     b = k.shape[0]
@@ -214,35 +240,46 @@ def append_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     _check_shape("slot_mapping", slot_mapping, (b,))
     if b == 0:
         return
-    lo, hi = int(slot_mapping.min()), int(slot_mapping.max())
+    slots = slot_mapping.numpy()
+    lo, hi = int(slots.min()), int(slots.max())
     if lo < 0 or hi >= num_blocks * block_size:
         raise KernelInputError(f"slot_mapping holds slot {lo if lo < 0 else hi}, outside the cache's "
                                f"[0, {num_blocks * block_size})")
-    _library().neo_append_kv(k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                             slot_mapping.data_ptr(), b, hkv * d * k.element_size())
+
+
+# How long a hand-off waiter spins before it polls: through any wait of an iteration. Only for waiters with a
+# core of their own (on CUDA the attention team leaves one to the launching thread); others use 0.
+HAND_OFF_SPIN_S = 0.1
 
 
 class Flags:
-    """Counters in host memory that one thread sets and another waits on, spinning in C with the GIL released.
+    """Counters in host memory that one side sets and another waits on, spinning in C with the GIL released.
 
-    The pipeline's hand-off between the thread that launches device work and the CPU-attention thread: a
-    spinning waiter sees a store at once, where a condition variable's wake-up costs tens of microseconds per
-    layer. Waiters spin for `spin_s`, then poll every 20 us (spin only where the waiter has a core of its own).
-    A negative value means the setter failed; `wait` reports it instead of waiting on.
+    The pipeline's hand-offs: the device sets a sub-batch's "ready" flag for a layer with a copy queued behind
+    its q/k/v copies (hence pinned memory), the CPU-attention loop sets "done" flags, the launching thread
+    waits on them. A spinning waiter sees a store at once, where a condition variable's wake-up costs tens of
+    microseconds per layer. Waiters spin for `spin_s`, then poll every 20 us (spin only where the waiter has a
+    core of its own). A negative value means the setter gave up; `wait` reports it instead of waiting on.
     """
 
     FAILED = -1
 
-    def __init__(self, size: int, spin_s: float) -> None:
-        self.values = np.zeros(size, dtype=np.int64)
-        self.spin_s = spin_s
+    def __init__(self, size: int, spin_s: float, pin: bool = False) -> None:
+        self.spin_s, self.pin = spin_s, pin
         self._lib = _library()
+        self._allocate(size)
+
+    def _allocate(self, size: int) -> None:
+        self.tensor = torch.zeros(size, dtype=torch.int64, pin_memory=self.pin)
+        self.values = self.tensor.numpy()
+        self.size = size
 
     def reset(self, size: int) -> None:
         if self.values.size < size:
-            self.values = np.zeros(size, dtype=np.int64)
+            self._allocate(size)
         else:
             self.values[:size] = 0
+        self.size = size
 
     def set(self, index: int, value: int = 1) -> None:
         self.values[index] = value
@@ -250,14 +287,93 @@ class Flags:
     def fail_from(self, index: int) -> None:
         self.values[index:] = self.FAILED
 
+    def fail_pending(self) -> None:
+        """Marks every flag of the current round not yet set as failed."""
+        pending = self.values[:self.size]
+        pending[pending == 0] = self.FAILED
+
+    def address(self, index: int = 0) -> int:
+        return self.values.ctypes.data + 8 * index
+
     def wait(self, index: int, timeout_s: float) -> bool:
         """True once flag `index` is set; False if it was marked failed. Raises KernelError on timeout."""
         if not 0 <= index < self.values.size:
             raise KernelInputError(f"flag index {index} outside [0, {self.values.size})")
-        status = self._lib.neo_wait_flag(self.values.ctypes.data + 8 * index, 1, self.spin_s, float(timeout_s))
+        status = self._lib.neo_wait_flag(self.address(index), 1, self.spin_s, float(timeout_s))
         if status == 2:
             raise KernelError(f"CPU attention hand-off timed out after {timeout_s:.0f} s")
         return status == 0
+
+
+@dataclass
+class IterationLane:
+    """One sub-batch's CPU decodes in a pipelined iteration: the same host buffers serve every layer (each
+    layer's q/k/v are copied in before its `ready` flag is set), and `ready` holds one flag per layer."""
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    out: torch.Tensor
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+    slots: torch.Tensor
+    ready: Flags
+
+
+_STEP_FIELDS = ("ready", "done", "q", "k", "v", "out", "k_cache", "v_cache", "slots", "tables", "lens", "batch",
+                "max_blocks")  # the order of the library's StepField
+_HAND_OFF_STATUS = {12: "a hand-off timed out", 20: "abandoned by the launching thread"}
+ABANDONED = 20
+
+
+def decode_iteration(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], lanes: list[IterationLane],
+                     done: Flags, scale: float, timeout_s: float, num_threads: int | None = None) -> np.ndarray:
+    """The CPU side of a pipelined iteration in one library call (GIL released throughout): for each layer,
+    for each lane, wait for its ready flag, append k/v to that layer's caches, attend into `out`, set the
+    step's done flag (step = layer * len(lanes) + lane). Returns the seconds of each step. If the launching
+    side marks a ready flag failed, the remaining steps are skipped and their done flags failed too.
+    """
+    num_layers = len(k_caches)
+    if len(v_caches) != num_layers or not lanes:
+        raise KernelInputError(f"need one v cache per k cache and at least one lane; got {num_layers} k, "
+                               f"{len(v_caches)} v caches and {len(lanes)} lanes")
+    for k_cache, v_cache in zip(k_caches, v_caches):
+        if k_cache.shape != k_caches[0].shape or v_cache.shape != k_cache.shape or k_cache.dtype != k_caches[0].dtype \
+                or v_cache.dtype != k_cache.dtype or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            raise KernelInputError("every layer's k/v caches must be contiguous with layer 0's shape and dtype")
+    shapes = []
+    for lane in lanes:
+        shapes.append(_check_attention(lane.q, k_caches[0], v_caches[0], lane.block_tables, lane.context_lens,
+                                       scale, lane.out))
+        _check_append(lane.k, lane.v, k_caches[0], v_caches[0], lane.slots)
+        if lane.ready.values.size < num_layers:
+            raise KernelInputError(f"a lane has {lane.ready.values.size} ready flags for {num_layers} layers")
+    num_steps = num_layers * len(lanes)
+    if done.values.size < num_steps:
+        raise KernelInputError(f"{done.values.size} done flags for {num_steps} steps")
+    table = np.empty((num_layers, len(lanes), len(_STEP_FIELDS)), dtype=np.int64)
+    layers = np.arange(num_layers)
+    field = {name: i for i, name in enumerate(_STEP_FIELDS)}
+    table[:, :, field["k_cache"]] = np.array([t.data_ptr() for t in k_caches])[:, None]
+    table[:, :, field["v_cache"]] = np.array([t.data_ptr() for t in v_caches])[:, None]
+    for i, (lane, shape) in enumerate(zip(lanes, shapes)):
+        column = table[:, i]
+        column[:, field["ready"]] = lane.ready.address() + 8 * layers
+        column[:, field["done"]] = done.address() + 8 * (layers * len(lanes) + i)
+        for name, tensor in (("q", lane.q), ("k", lane.k), ("v", lane.v), ("out", lane.out), ("slots", lane.slots),
+                             ("tables", lane.block_tables), ("lens", lane.context_lens)):
+            column[:, field[name]] = tensor.data_ptr()
+        column[:, field["batch"]] = shape.batch
+        column[:, field["max_blocks"]] = shape.max_blocks
+    seconds = np.zeros(num_steps)
+    first = shapes[0]
+    status = _library().neo_decode_iteration(
+        table.ctypes.data, num_steps, _DTYPE_CODES[lanes[0].q.dtype], _DTYPE_CODES[k_caches[0].dtype], first.q_heads,
+        first.kv_heads, first.head_dim, first.block_size, float(scale), _thread_count(num_threads), done.spin_s,
+        float(timeout_s), seconds.ctypes.data)
+    if status not in (0, ABANDONED):
+        reason = _HAND_OFF_STATUS.get(status) or _STATUS.get(status, status)
+        raise KernelError(f"decode_iteration failed in the library: {reason}")
+    return seconds
 
 
 def reference_paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from . import cpu_attention
 from .layers.attention import AttentionMetadata
 
 log = logging.getLogger("neo_backend")
@@ -140,6 +141,8 @@ class LaneGraphs:
         self.host_k = torch.zeros(n, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, pin_memory=True)
         self.host_v = torch.zeros(self.host_k.shape, dtype=dtype, pin_memory=True)
         self.host_out = torch.zeros(self.host_q.shape, dtype=dtype, pin_memory=True)
+        self.ready = cpu_attention.Flags(len(model.layers), cpu_attention.HAND_OFF_SPIN_S, pin=True)
+        self._one = torch.ones(1, dtype=torch.int64, device=device)
         self.graphs: dict[tuple[int, bool, int], torch.cuda.CUDAGraph] = {}
         pool = None
         for bs in reversed(self.buckets):
@@ -169,6 +172,7 @@ class LaneGraphs:
         if with_host:
             for host, dev in ((self.host_q, q), (self.host_k, k), (self.host_v, v)):
                 host[:bs].copy_(dev, non_blocking=True)
+            self.ready.tensor[layer_idx:layer_idx + 1].copy_(self._one, non_blocking=True)  # after the copies
 
     def load(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, num_host: int
              ) -> int:

@@ -91,9 +91,11 @@ class BlockSwapper:
         dst = torch.tensor(device_blocks, dtype=torch.long, device=self.device)
         with self._on_copy_stream():
             for k, v, hk, hv in zip(self.device_k, self.device_v, self.host.k_caches, self.host.v_caches):
-                staged = torch.stack((hk.index_select(0, src), hv.index_select(0, src)))
-                if self.stream is not None:
-                    staged = staged.pin_memory()
+                # gathered straight into pinned staging: one host copy, on the launching thread's clock
+                staged = torch.empty((2, len(host_blocks), *hk.shape[1:]), dtype=hk.dtype,
+                                     pin_memory=self.stream is not None)
+                torch.index_select(hk, 0, src, out=staged[0])
+                torch.index_select(hv, 0, src, out=staged[1])
                 up = staged.to(self.device, non_blocking=True)
                 k.index_copy_(0, dst, up[0])
                 v.index_copy_(0, dst, up[1])
@@ -160,18 +162,13 @@ class HostAttention:
                                              batch.block_tables, batch.context_lens, self.scale, out=out)
         self.seconds += time.perf_counter() - start
 
-    def to_host(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
-        """Device -> host copies of the CPU-requests' rows (pinned + non-blocking on CUDA)."""
-        if self.device.type != "cuda":
-            return [t.contiguous() for t in tensors]
-        out = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
-        for dst, src in zip(out, tensors):
-            dst.copy_(src, non_blocking=True)
-        return out
-
-    def output_buffer(self, q: torch.Tensor) -> torch.Tensor:
-        """Where the kernel writes: pinned on CUDA, so the copy back up does not block the launching thread."""
-        return torch.empty(q.shape, dtype=q.dtype, pin_memory=self.device.type == "cuda")
+    def run_iteration(self, lanes: list[cpu_attention.IterationLane], done: cpu_attention.Flags,
+                      timeout_s: float) -> None:
+        """Every layer of a pipelined iteration, each step once its lane's ready flag is set (see
+        `cpu_attention.decode_iteration`)."""
+        seconds = cpu_attention.decode_iteration(self.host.k_caches, self.host.v_caches, lanes, done, self.scale,
+                                                 timeout_s)
+        self.seconds += float(seconds.sum())
 
 
 def host_available_bytes() -> int:

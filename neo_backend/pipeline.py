@@ -14,6 +14,7 @@ prefills, or runs without CUDA graphs, launches its kernels eagerly (`EagerLane`
 """
 from __future__ import annotations
 
+import contextlib
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
@@ -26,6 +27,12 @@ from .host_kv import HostAttention, HostDecodeBatch
 from .layers.attention import AttentionMetadata
 
 
+def spin_seconds(device: torch.device) -> float:
+    """On CUDA the launching thread and the CPU-attention thread each have a core of their own and spin; on a
+    CPU device they share the cores with the "device" work and poll."""
+    return cpu_attention.HAND_OFF_SPIN_S if device.type == "cuda" else 0.0
+
+
 @dataclass
 class SubBatch:
     input_ids: torch.Tensor
@@ -35,22 +42,33 @@ class SubBatch:
 
 
 class EagerLane:
-    """A sub-batch laid out as [prefills | device decodes | host decodes], run with eager launches."""
+    """A sub-batch laid out as [prefills | device decodes | host decodes], run with eager launches. Its host
+    rows go through buffers allocated once per iteration (pinned on CUDA), like a `GraphLane`'s."""
 
     def __init__(self, model, sub: SubBatch, host_attention: HostAttention) -> None:
-        self.model, self.sub, self.host_attention = model, sub, host_attention
+        self.model, self.sub = model, sub
         self.num_device = sub.meta.num_device_tokens
         self.hidden = model.embed_tokens(sub.input_ids)
         self.residual: torch.Tensor | None = None
         self.attn_out: torch.Tensor | None = None
-        self.host_qkv: list[torch.Tensor] = []
-        self.host_out: torch.Tensor | None = None
+        self.device = sub.input_ids.device
+        if sub.host_batch is not None:
+            cfg, dtype = model.config, self.hidden.dtype
+            pin = self.device.type == "cuda"
+            rows = sub.host_batch.size
+            self.host_q, self.host_out = (torch.empty(rows, cfg.num_heads, cfg.head_dim, dtype=dtype, pin_memory=pin)
+                                          for _ in range(2))
+            self.host_k, self.host_v = (torch.empty(rows, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, pin_memory=pin)
+                                        for _ in range(2))
+            self.ready = cpu_attention.Flags(len(model.layers), spin_seconds(self.device), pin=pin)
+            self._one = torch.ones(1, dtype=torch.int64, device=self.device)
 
     def segment(self, layer_idx: int) -> None:
         model, n = self.model, self.num_device
+        host = self.sub.host_batch is not None
         if layer_idx > 0:
-            if self.host_out is not None:
-                self.attn_out[n:] = self.host_out.to(self.attn_out.device, non_blocking=True)
+            if host:
+                self.attn_out[n:] = self.host_out.to(self.device, non_blocking=True)
             self.hidden, self.residual = model.layers[layer_idx - 1].attention_outputs(self.attn_out, self.residual)
         if layer_idx == len(model.layers):
             self.hidden = model.norm(self.hidden, self.residual)[0]
@@ -58,12 +76,18 @@ class EagerLane:
         layer = model.layers[layer_idx]
         q, k, v, self.residual = layer.attention_inputs(self.sub.positions, self.hidden, self.residual)
         self.attn_out = layer.attn(q, k, v, self.sub.meta)
-        if self.sub.host_batch is not None:
-            self.host_qkv = self.host_attention.to_host(q[n:], k[n:], v[n:])
-            self.host_out = self.host_attention.output_buffer(self.host_qkv[0])
+        if host:
+            for dst, src in ((self.host_q, q), (self.host_k, k), (self.host_v, v)):
+                dst.copy_(src[n:], non_blocking=True)
+            if self.device.type == "cuda":
+                self.ready.tensor[layer_idx:layer_idx + 1].copy_(self._one, non_blocking=True)
+            else:
+                self.ready.set(layer_idx)
 
-    def host_inputs(self) -> tuple[torch.Tensor, ...]:
-        return (*self.host_qkv, self.host_out)
+    def host_lane(self) -> cpu_attention.IterationLane:
+        b = self.sub.host_batch
+        return cpu_attention.IterationLane(self.host_q, self.host_k, self.host_v, self.host_out, b.block_tables,
+                                           b.context_lens, b.slots, self.ready)
 
     def final(self) -> torch.Tensor:
         return self.hidden
@@ -78,109 +102,95 @@ class GraphLane:
         self.num_device = sub.meta.num_decodes
         self.with_host = sub.host_batch is not None
         self.bs = graphs.load(sub.input_ids, sub.positions, sub.meta, self.rows - self.num_device)
+        self.ready = graphs.ready
 
     def segment(self, layer_idx: int) -> None:
         self.graphs.replay(self.bs, self.with_host, layer_idx)
 
-    def host_inputs(self) -> tuple[torch.Tensor, ...]:
+    def host_lane(self) -> cpu_attention.IterationLane:
         rows = slice(self.num_device, self.rows)
-        g = self.graphs
-        return g.host_q[rows], g.host_k[rows], g.host_v[rows], g.host_out[rows]
+        g, b = self.graphs, self.sub.host_batch
+        return cpu_attention.IterationLane(g.host_q[rows], g.host_k[rows], g.host_v[rows], g.host_out[rows],
+                                           b.block_tables, b.context_lens, b.slots, g.ready)
 
     def final(self) -> torch.Tensor:
         return self.graphs.final[:self.rows]
 
 
 class PipelinedExecutor:
-    """Runs the lanes layer by layer on the launching thread while one worker thread runs their CPU attention.
+    """Runs the lanes layer by layer on the launching thread while a worker thread runs their CPU attention.
 
-    Hand-offs go through two rows of `Flags`, one entry per CPU attention step of the iteration (step = layer x
-    lanes with host rows, in launch order): `ready` (its inputs are queued on the device, its event recorded)
-    and `done` (its output is in the lane's host buffer). Both threads wait by spinning in C with the GIL
-    released, so a layer's hand-off costs microseconds rather than two thread wake-ups.
+    The worker spends the whole iteration in one library call (`HostAttention.run_iteration`), so no Python
+    and no GIL sits between layers on the CPU side. Hand-offs go through `Flags` in host memory: the device
+    sets a lane's ready flag for a layer with a copy queued behind that layer's q/k/v copies, the library sets
+    a done flag per step (layer x lanes with host rows, in launch order), and the launching thread waits on
+    it by spinning in C with the GIL released. A layer's hand-off costs microseconds, not thread wake-ups.
     """
 
-    # Far beyond any iteration; a hand-off that takes longer means the other thread is gone.
+    # Far beyond any iteration; a hand-off that takes longer means the other side is gone.
     HANDOFF_TIMEOUT_S = 120.0
-    # On CUDA both threads have a core of their own (the attention team leaves one to the launching thread):
-    # they spin through any wait of an iteration. On a CPU device they share cores with the "device" work.
-    CUDA_SPIN_S = 0.1
 
     def __init__(self, host_attention: HostAttention, lane_graphs: list[LaneGraphs] | None = None) -> None:
         self.host_attention = host_attention
         self.lane_graphs = lane_graphs
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="neo-cpu-attention")
-        spin_s = self.CUDA_SPIN_S if host_attention.device.type == "cuda" else 0.0
-        self.ready = cpu_attention.Flags(0, spin_s)
-        self.done = cpu_attention.Flags(0, spin_s)
+        self.done = cpu_attention.Flags(0, spin_seconds(host_attention.device))
 
     def run(self, model, subs: list[SubBatch]) -> list[torch.Tensor]:
         """Final hidden states of each sub-batch (one: sequential mode; two: pipelined)."""
         lanes = [self._lane(model, i, sub) for i, sub in enumerate(subs)]
-        host_lanes = [i for i, lane in enumerate(lanes) if lane.sub.host_batch is not None]
+        host_lanes = [lane for lane in lanes if lane.sub.host_batch is not None]
         num_layers = len(model.layers)
-        steps = [(layer, lanes[i]) for layer in range(num_layers) for i in host_lanes]
-        self.ready.reset(len(steps))
-        self.done.reset(len(steps))
-        events: list[torch.cuda.Event | None] = [None] * len(steps)
-        job = self.worker.submit(self._attend_on_host, steps, events) if steps else None
-        step = 0
+        self.done.reset(num_layers * len(host_lanes))
+        for lane in host_lanes:
+            lane.ready.reset(num_layers)
+        job = None
+        if host_lanes:
+            job = self.worker.submit(self._attend_on_host, [lane.host_lane() for lane in host_lanes])
+        issued = {id(lane): 0 for lane in host_lanes}  # layers whose ready flag the device was asked to set
         try:
             for layer_idx in range(num_layers + 1):
-                for i, lane in enumerate(lanes):
-                    if i not in host_lanes:
-                        lane.segment(layer_idx)
-                        continue
-                    if layer_idx > 0:
-                        self._wait_done((layer_idx - 1) * len(host_lanes) + host_lanes.index(i), job)
+                for lane in lanes:
+                    if id(lane) in issued and layer_idx > 0:
+                        self._wait_done((layer_idx - 1) * len(host_lanes) + host_lanes.index(lane), job)
                     lane.segment(layer_idx)
-                    if layer_idx < num_layers:
-                        events[step] = self._record()
-                        self.ready.set(step)
-                        step += 1
+                    if id(lane) in issued and layer_idx < num_layers:
+                        issued[id(lane)] += 1
         except BaseException:
-            self.ready.fail_from(step)  # the worker stops at the first step it was not given
-            if job is not None:
-                wait([job])
+            self._abandon(host_lanes, issued, job)
             raise
         if job is not None:
             job.result()
         return [lane.final() for lane in lanes]
+
+    def _attend_on_host(self, host_lanes: list[cpu_attention.IterationLane]) -> None:
+        try:
+            self.host_attention.run_iteration(host_lanes, self.done, self.HANDOFF_TIMEOUT_S)
+        except BaseException:
+            self.done.fail_pending()  # the launching thread stops waiting and re-raises this from the job
+            raise
 
     def _wait_done(self, step: int, job: Future) -> None:
         if not self.done.wait(step, self.HANDOFF_TIMEOUT_S):
             job.result()  # raises the worker's error
             raise KernelError("CPU attention stopped without an error")
 
-    def _record(self) -> torch.cuda.Event | None:
-        if self.host_attention.device.type != "cuda":
-            return None
-        event = torch.cuda.Event()
-        event.record()
-        return event
+    def _abandon(self, host_lanes: list[EagerLane | GraphLane], issued: dict[int, int], job: Future | None) -> None:
+        """The launching side failed mid-iteration: stop the worker at the first step it will never get, and
+        let queued device copies land before the flags are reused."""
+        for lane in host_lanes:
+            lane.ready.fail_from(issued[id(lane)])
+        if job is not None:
+            wait([job])
+        if self.host_attention.device.type == "cuda":
+            with contextlib.suppress(RuntimeError):
+                torch.cuda.synchronize(self.host_attention.device)
 
     def _lane(self, model, index: int, sub: SubBatch) -> EagerLane | GraphLane:
         graphs = self.lane_graphs[index] if self.lane_graphs is not None else None
         if graphs is not None and not sub.meta.prefills and graphs.inputs.fits(sub.input_ids.numel()):
             return GraphLane(graphs, sub)
         return EagerLane(model, sub, self.host_attention)
-
-    def _attend_on_host(self, steps: list[tuple[int, EagerLane | GraphLane]],
-                        events: list[torch.cuda.Event | None]) -> None:
-        """The worker's side of one iteration: each step once its inputs are ready, in launch order."""
-        step = 0
-        try:
-            for step, (layer_idx, lane) in enumerate(steps):
-                if not self.ready.wait(step, self.HANDOFF_TIMEOUT_S):
-                    return
-                if events[step] is not None:
-                    events[step].synchronize()
-                q, k, v, out = lane.host_inputs()
-                self.host_attention.run(layer_idx, lane.sub.host_batch, q, k, v, out)
-                self.done.set(step)
-        except BaseException:
-            self.done.fail_from(step)
-            raise
 
     def shutdown(self) -> None:
         self.worker.shutdown(wait=True)

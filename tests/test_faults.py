@@ -64,15 +64,15 @@ def test_cpu_kernel_failure_fails_over_to_the_gpu(tiny_model_dirs, monkeypatch):
                          prompts, max_tokens, stagger=False)
     engine = _tiny_engine(tiny_model_dirs, num_gpu_blocks=512, offload_policy="always", cpu_kv_cache_gb=0.01)
     host = engine.runner.host_attention
-    real_run, calls = host.run, []
+    real_iteration, calls = host.run_iteration, []
 
-    def failing_run(*args, **kwargs):
+    def failing_iteration(*args, **kwargs):
         calls.append(1)
-        if len(calls) == 40:
+        if len(calls) == 6:
             raise KernelError("injected: the CPU attention library failed")
-        return real_run(*args, **kwargs)
+        return real_iteration(*args, **kwargs)
 
-    monkeypatch.setattr(host, "run", failing_run)
+    monkeypatch.setattr(host, "run_iteration", failing_iteration)
     assert _collect(engine, prompts, max_tokens, stagger=False) == reference
     assert engine.counters.failures == {"cpu_kernel": 1} and engine.scheduler.policy == "never"
     stats = engine.stats_snapshot()
