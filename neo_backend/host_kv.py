@@ -2,7 +2,7 @@
 
 Swaps run on their own CUDA stream: a swap-out gathers the request's device blocks into a staging buffer and
 copies it to pinned memory; it completes (scatter into the host pool, device blocks freed) at the start of
-the next step. A swap-in gathers host blocks into pinned staging, copies them up and scatters them into
+a later step once the copy has landed, or at once where the scheduler needs its device blocks now. A swap-in gathers host blocks into pinned staging, copies them up and scatters them into
 the device pool on the copy stream; the compute stream waits on its event before using them.
 """
 from __future__ import annotations
@@ -43,6 +43,7 @@ class HostKVCache:
 
 @dataclass
 class _PendingSwapOut:
+    request_id: str
     host_blocks: torch.Tensor
     staging: list[torch.Tensor]            # per layer: [2, n, block_size, Hkv, D] on the host
     done: torch.cuda.Event | None
@@ -58,7 +59,7 @@ class BlockSwapper:
         self._pending: list[_PendingSwapOut] = []
         self._swap_in_done: torch.cuda.Event | None = None
 
-    def swap_out(self, device_blocks: list[int], host_blocks: list[int]) -> None:
+    def swap_out(self, request_id: str, device_blocks: list[int], host_blocks: list[int]) -> None:
         """Start copying device blocks to host blocks; `complete` finishes it and returns the device blocks."""
         src = torch.tensor(device_blocks, dtype=torch.long, device=self.device)
         staging = []
@@ -69,20 +70,28 @@ class BlockSwapper:
                 host.copy_(gathered, non_blocking=True)
                 staging.append(host)
             done = self._record()
-        self._pending.append(_PendingSwapOut(torch.tensor(host_blocks, dtype=torch.long), staging, done,
+        self._pending.append(_PendingSwapOut(request_id, torch.tensor(host_blocks, dtype=torch.long), staging, done,
                                              list(device_blocks)))
 
-    def complete(self) -> list[int]:
-        """Finish every started swap-out; returns the device blocks that are now free."""
-        freed = []
+    def in_transit(self, request_id: str) -> bool:
+        return any(swap.request_id == request_id for swap in self._pending)
+
+    def complete(self, wait: bool = True) -> list[int]:
+        """Finish started swap-outs: every one (`wait`), or only those whose copy has already landed, so a
+        freshly prefilled request moves to the host pool while the device computes. Scatters them into the
+        host pool and returns the device blocks that are now free."""
+        freed, still = [], []
         for swap in self._pending:
+            if swap.done is not None and not wait and not swap.done.query():
+                still.append(swap)
+                continue
             if swap.done is not None:
                 swap.done.synchronize()
             for layer, staged in enumerate(swap.staging):
                 self.host.k_caches[layer].index_copy_(0, swap.host_blocks, staged[0])
                 self.host.v_caches[layer].index_copy_(0, swap.host_blocks, staged[1])
             freed += swap.release
-        self._pending.clear()
+        self._pending = still
         return freed
 
     def swap_in(self, host_blocks: list[int], device_blocks: list[int]) -> None:

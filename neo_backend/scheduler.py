@@ -88,6 +88,7 @@ class Scheduler:
     def remove(self, seq: Sequence) -> None:
         """Take a finished or aborted request out and return its blocks."""
         self._skipped.pop(seq.request_id, None)
+        self._land(seq)
         for queue in (self.running, self.cpu_running, self.waiting):
             if seq in queue:
                 queue.remove(seq)
@@ -101,15 +102,25 @@ class Scheduler:
         for seq in list(reversed(self.cpu_running)):
             self._preempt(seq, SchedulerOutput())
 
-    def complete_swaps(self) -> None:
-        """Finish the swap-outs started after the previous step; their device blocks become free."""
+    def complete_swaps(self, wait: bool = True) -> None:
+        """Finish started swap-outs (all, or with `wait=False` those whose copy has landed); their device
+        blocks become free."""
         if self.swapper is not None:
-            self.gpu_blocks.release(self.swapper.complete())
+            self.gpu_blocks.release(self.swapper.complete(wait))
+
+    def _in_transit(self, seq: Sequence) -> bool:
+        """A request whose swap-out to the host pool is still copying: it cannot decode or move yet."""
+        return self.swapper is not None and self.swapper.in_transit(seq.request_id)
+
+    def _land(self, seq: Sequence) -> None:
+        """Before a request's host blocks are freed or read, its swap-out (if any) must have landed."""
+        if self._in_transit(seq):
+            self.complete_swaps()
 
     def schedule(self) -> SchedulerOutput:
         self.iteration += 1
         self._swapped_in.clear()
-        self.complete_swaps()
+        self.complete_swaps(wait=False)
         out = SchedulerOutput()
         if self.policy == "auto" and (not self.waiting or self.cpu_behind):
             self._swap_in()
@@ -144,6 +155,8 @@ class Scheduler:
         """Bring CPU-requests back while the device keeps headroom: the watermark, and one block of growth
         per GPU request (so the next shortage does not swap the same request straight out again)."""
         for seq in list(self.cpu_running):
+            if self._in_transit(seq):
+                continue
             reserve = max(int(GPU_WATERMARK * self.gpu_blocks.num_blocks), len(self.running) + 1)
             need = self.gpu_blocks.blocks_needed(len(seq.token_ids) + 1)
             if len(self.running) + 1 > self.config.max_num_seqs or need + reserve > self.gpu_blocks.num_free_blocks:
@@ -195,8 +208,8 @@ class Scheduler:
     def _grow_cpu_running(self, out: SchedulerOutput) -> list[Sequence]:
         ready = []
         for seq in list(self.cpu_running):
-            if seq not in self.cpu_running:
-                continue  # preempted below to make room for an older one
+            if seq not in self.cpu_running or self._in_transit(seq):
+                continue  # preempted below to make room for an older one, or still copying to the host
             while not self.cpu_blocks.can_grow(seq, len(seq.token_ids)):
                 victim = self.cpu_running[-1]
                 self._preempt(victim, out)
@@ -298,7 +311,7 @@ class Scheduler:
         if self.policy == "auto" and not self._cpu_can_take(seq):
             return False
         cpu = self.cpu_blocks.allocate(len(seq.block_table))
-        self.swapper.swap_out(seq.block_table, cpu)
+        self.swapper.swap_out(seq.request_id, seq.block_table, cpu)
         self.swap_out_blocks += len(cpu)
         seq.block_table = cpu
         seq.placement = Placement.CPU
@@ -322,6 +335,7 @@ class Scheduler:
         return cpu_time <= gpu_time * self.config.cpu_latency_slack
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self._land(seq)
         (self.running if seq in self.running else self.cpu_running).remove(seq)
         self._pool(seq).free(seq)
         seq.reset_for_recompute()

@@ -170,3 +170,38 @@ def test_fail_safe_backs_off_when_the_cpu_is_slower_than_predicted():
     for _ in range(20):  # the hog is gone: the correction recovers
         model.observe_cpu(predicted=1e-3 * model.cpu_correction, measured=1e-3)
     assert model.cpu_correction == pytest.approx(1.0, rel=0.05) and not sched.cpu_behind
+
+
+class _CopyEvent:
+    """Stands in for the swap stream's CUDA event: the copy lands when the test says so."""
+
+    def __init__(self) -> None:
+        self.landed = False
+
+    def query(self) -> bool:
+        return self.landed
+
+    def synchronize(self) -> None:
+        self.landed = True
+
+
+def test_a_swap_out_in_flight_holds_its_request_until_the_copy_lands(monkeypatch):
+    """A freshly prefilled request moves to the host pool while the device computes: the scheduler does not
+    wait for the copy, does not decode the request before it lands, and lands it before freeing its blocks."""
+    sched = make_scheduler("always", gpu_blocks=32)
+    events: list[_CopyEvent] = []
+    monkeypatch.setattr(sched.swapper, "_record", lambda: events.append(_CopyEvent()) or events[-1])
+    for i in range(2):
+        sched.add(request(i))
+    run_step(sched)
+    assert len(events) == 2 and len(sched.cpu_running) == 2
+    used = sched.gpu_blocks.num_used_blocks
+    second = run_step(sched)
+    assert not second.cpu_decodes and sched.gpu_blocks.num_used_blocks == used, "nothing landed: nothing moves"
+    events[0].landed = True
+    third = run_step(sched)
+    assert [s.request_id for s in third.cpu_decodes] == ["r0"] and sched.gpu_blocks.num_used_blocks < used
+    in_flight = sched.cpu_running[1]
+    sched.remove(in_flight)  # finishing (or aborting) a request lands its copy before its blocks are reused
+    assert events[1].landed and not sched.swapper.in_transit(in_flight.request_id)
+    assert sched.gpu_blocks.num_used_blocks == 0
