@@ -45,7 +45,7 @@ class EagerLane:
     """A sub-batch laid out as [prefills | device decodes | host decodes], run with eager launches. Its host
     rows go through buffers allocated once per iteration (pinned on CUDA), like a `GraphLane`'s."""
 
-    def __init__(self, model, sub: SubBatch, host_attention: HostAttention) -> None:
+    def __init__(self, model, sub: SubBatch) -> None:
         self.model, self.sub = model, sub
         self.num_device = sub.meta.num_device_tokens
         self.hidden = model.embed_tokens(sub.input_ids)
@@ -190,7 +190,7 @@ class PipelinedExecutor:
         graphs = self.lane_graphs[index] if self.lane_graphs is not None else None
         if graphs is not None and not sub.meta.prefills and graphs.inputs.fits(sub.input_ids.numel()):
             return GraphLane(graphs, sub)
-        return EagerLane(model, sub, self.host_attention)
+        return EagerLane(model, sub)
 
     def shutdown(self) -> None:
         self.worker.shutdown(wait=True)
