@@ -322,7 +322,7 @@ class IterationLane:
 _STEP_FIELDS = ("ready", "done", "q", "k", "v", "out", "k_cache", "v_cache", "slots", "tables", "lens", "batch",
                 "max_blocks")  # the order of the library's StepField
 _HAND_OFF_STATUS = {12: "a hand-off timed out", 20: "abandoned by the launching thread"}
-ABANDONED = 20
+_ABANDONED = 20
 
 
 def decode_iteration(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], lanes: list[IterationLane],
@@ -347,6 +347,8 @@ def decode_iteration(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
         _check_append(lane.k, lane.v, k_caches[0], v_caches[0], lane.slots)
         if lane.ready.values.size < num_layers:
             raise KernelInputError(f"a lane has {lane.ready.values.size} ready flags for {num_layers} layers")
+        if lane.q.dtype != lanes[0].q.dtype or shapes[-1].q_heads != shapes[0].q_heads:
+            raise KernelInputError("every lane's q must have the same dtype and number of heads")
     num_steps = num_layers * len(lanes)
     if done.values.size < num_steps:
         raise KernelInputError(f"{done.values.size} done flags for {num_steps} steps")
@@ -370,7 +372,7 @@ def decode_iteration(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
         table.ctypes.data, num_steps, _DTYPE_CODES[lanes[0].q.dtype], _DTYPE_CODES[k_caches[0].dtype], first.q_heads,
         first.kv_heads, first.head_dim, first.block_size, float(scale), _thread_count(num_threads), done.spin_s,
         float(timeout_s), seconds.ctypes.data)
-    if status not in (0, ABANDONED):
+    if status not in (0, _ABANDONED):
         reason = _HAND_OFF_STATUS.get(status) or _STATUS.get(status, status)
         raise KernelError(f"decode_iteration failed in the library: {reason}")
     return seconds

@@ -293,3 +293,71 @@ def test_python_thread_progresses_during_a_kernel_call():
     assert end - start > 0.05, "the call was too short to tell"
     # With the GIL held for the whole call, this thread could not run at all while it lasted.
     assert len(inside) >= 10, f"only {len(inside)} iterations during a {end - start:.3f}s kernel call"
+
+
+# --- decode_iteration: the pipeline's whole-iteration loop ----------------------------------------------
+
+def iteration_case(num_layers: int = 3):
+    """Two lanes (sequences 0-1 and 2 of one case) over `num_layers` layers' caches of the same shape; each
+    lane's new token goes to the slot after its context."""
+    lanes, caches = [], [make_case(20 + layer, [25, 40, 9], 16, 8, 2, 64, torch.bfloat16, q_dtype=torch.bfloat16,
+                                   spare_blocks=12)[1:3] for layer in range(num_layers)]
+    k_caches, v_caches = [c[0] for c in caches], [c[1] for c in caches]
+    for lane_rows, seed in (([0, 1], 1), ([2], 2)):
+        q, _, _, tables, lens = make_case(20, [25, 40, 9], 16, 8, 2, 64, torch.bfloat16, q_dtype=torch.bfloat16,
+                                          spare_blocks=12)
+        g = torch.Generator().manual_seed(seed)
+        rows = torch.tensor(lane_rows)
+        tables, lens = tables[rows].contiguous(), lens[rows] + 1
+        slots = torch.stack([tables[i, (int(n) - 1) // 16].long() * 16 + (int(n) - 1) % 16 for i, n in enumerate(lens)])
+        ready = ca.Flags(num_layers, 0.0)
+        lanes.append(ca.IterationLane(
+            q[rows].contiguous(), torch.randn(len(rows), 2, 64, generator=g).to(torch.bfloat16),
+            torch.randn(len(rows), 2, 64, generator=g).to(torch.bfloat16),
+            torch.full((len(rows), 8, 64), float("nan"), dtype=torch.bfloat16), tables, lens, slots, ready))
+    return k_caches, v_caches, lanes
+
+
+def test_decode_iteration_equals_appending_and_attending_layer_by_layer():
+    k_caches, v_caches, lanes = iteration_case()
+    expected_k, expected_v = [k.clone() for k in k_caches], [v.clone() for v in v_caches]
+    for lane in lanes:
+        lane.ready.values[:] = 1
+    done = ca.Flags(len(k_caches) * len(lanes), 0.0)
+    seconds = ca.decode_iteration(k_caches, v_caches, lanes, done, 0.125, timeout_s=30)
+    assert seconds.shape == (6,) and (seconds > 0).all() and (done.values == 1).all()
+    for lane in lanes:
+        for k, v in zip(expected_k, expected_v):
+            ca.append_kv(lane.k, lane.v, k, v, lane.slots)
+        last = ca.paged_decode_attention(lane.q, expected_k[-1], expected_v[-1], lane.block_tables,
+                                         lane.context_lens, 0.125)
+        assert torch.equal(lane.out, last), "out holds the last layer's attention"
+    assert all(torch.equal(a, b) for a, b in zip(k_caches + v_caches, expected_k + expected_v))
+
+
+def test_decode_iteration_stops_where_the_launching_side_gave_up():
+    k_caches, v_caches, lanes = iteration_case()
+    lanes[0].ready.values[:] = 1
+    lanes[1].ready.values[:] = [1, ca.Flags.FAILED, ca.Flags.FAILED]  # its layer-1 step was never launched
+    done = ca.Flags(6, 0.0)
+    ca.decode_iteration(k_caches, v_caches, lanes, done, 0.125, timeout_s=30)
+    assert done.values.tolist() == [1, 1, 1, -1, -1, -1]
+
+
+def test_decode_iteration_bad_input_raises_before_c(monkeypatch):
+    k_caches, v_caches, lanes = iteration_case()
+    done, too_few = ca.Flags(6, 0.0), ca.Flags(5, 0.0)
+    fp32_lane = ca.IterationLane(lanes[1].q.float(), lanes[1].k, lanes[1].v, lanes[1].out.float(),
+                                 lanes[1].block_tables, lanes[1].context_lens, lanes[1].slots, lanes[1].ready)
+    monkeypatch.setattr(ca, "_library", lambda: (_ for _ in ()).throw(AssertionError("the C library was reached")))
+    calls = {
+        "a layer without a v cache": lambda: ca.decode_iteration(k_caches, v_caches[:2], lanes, done, 0.125, 30),
+        "a layer's cache of another shape": lambda: ca.decode_iteration(
+            k_caches[:2] + [k_caches[2][:-1].contiguous()], v_caches, lanes, done, 0.125, 30),
+        "lanes with different q dtypes": lambda: ca.decode_iteration(k_caches, v_caches, [lanes[0], fp32_lane], done,
+                                                                     0.125, 30),
+        "too few done flags": lambda: ca.decode_iteration(k_caches, v_caches, lanes, too_few, 0.125, 30),
+    }
+    for name, call in calls.items():
+        with pytest.raises(KernelInputError):
+            call()
