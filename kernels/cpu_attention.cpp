@@ -253,11 +253,14 @@ NEO_API double neo_stream_read(const float* p, size_t n, int num_threads) {
   return total;
 }
 
-namespace {
-
 enum WaitStatus : int { kSet = 0, kFailed = 1, kTimedOut = 2 };
 
-int wait_flag(const int64_t* flag, int64_t target, double spin_s, double timeout_s) {
+// Waits until *flag >= target (returns kSet), *flag < 0 (kFailed: the other side gave up) or timeout_s passes
+// (kTimedOut). The hand-off between the engine's launching thread and its CPU-attention thread: for spin_s it
+// spins, so it sees the store within a cache-line transfer, where a futex wake-up costs tens of microseconds
+// on a host whose cores the attention team keeps busy; after that it sleeps 20 us between checks. Spin only
+// where the waiter has a core of its own.
+NEO_API int neo_wait_flag(const int64_t* flag, int64_t target, double spin_s, double timeout_s) {
   using Clock = std::chrono::steady_clock;
   using Seconds = std::chrono::duration<double>;
   const auto start = Clock::now();
@@ -278,17 +281,6 @@ int wait_flag(const int64_t* flag, int64_t target, double spin_s, double timeout
   }
 }
 
-}  // namespace
-
-// Waits until *flag >= target (returns 0), *flag < 0 (1: the other side failed) or timeout_s passes (2).
-// The hand-off between the engine's launching thread and its CPU-attention thread: for spin_s it spins, so
-// it sees the store within a cache-line transfer, where a futex wake-up costs tens of microseconds on a host
-// whose cores the attention team keeps busy; after that it sleeps 20 us between checks. Spin only where the
-// waiter has a core of its own.
-NEO_API int neo_wait_flag(const int64_t* flag, int64_t target, double spin_s, double timeout_s) {
-  return wait_flag(flag, target, spin_s, timeout_s);
-}
-
 enum IterationStatus : int { kHandOffTimedOut = 12, kAbandoned = 20 };
 
 // One step of a pipelined iteration: a layer's CPU decodes of one sub-batch. Pointers travel as int64.
@@ -304,29 +296,27 @@ enum StepField : int {
 NEO_API int neo_decode_iteration(const int64_t* steps, int num_steps, int q_dtype, int kv_dtype, int Hq, int Hkv,
                                  int D, int block_size, float scale, int num_threads, double spin_s,
                                  double timeout_s, double* seconds) {
+  const size_t row_bytes = size_t(Hkv) * D * (kv_dtype == kF32 ? 4 : 2);
   int status = kOk;
   int s = 0;
-  for (; s < num_steps && status == kOk; ++s) {
+  for (; s < num_steps; ++s) {
     const int64_t* f = steps + size_t(s) * kStepFields;
-    const int waited = wait_flag(reinterpret_cast<const int64_t*>(f[kReady]), 1, spin_s, timeout_s);
+    auto ptr = [f](int field) { return reinterpret_cast<void*>(f[field]); };
+    const int waited = neo_wait_flag(static_cast<const int64_t*>(ptr(kReady)), 1, spin_s, timeout_s);
     if (waited != kSet) {
       status = waited == kFailed ? kAbandoned : kHandOffTimedOut;
       break;
     }
     const auto start = std::chrono::steady_clock::now();
     const int batch = int(f[kBatch]);
-    const size_t row_bytes = size_t(Hkv) * D * (kv_dtype == kF32 ? 4 : 2);
-    neo_append_kv(reinterpret_cast<const void*>(f[kKNew]), reinterpret_cast<const void*>(f[kVNew]),
-                  reinterpret_cast<void*>(f[kKCache]), reinterpret_cast<void*>(f[kVCache]),
-                  reinterpret_cast<const int64_t*>(f[kSlots]), batch, row_bytes);
-    status = neo_paged_attention(reinterpret_cast<const void*>(f[kQ]), q_dtype, reinterpret_cast<const void*>(f[kKCache]),
-                                 reinterpret_cast<const void*>(f[kVCache]), kv_dtype,
-                                 reinterpret_cast<const int32_t*>(f[kTables]), reinterpret_cast<const int32_t*>(f[kLens]),
-                                 reinterpret_cast<void*>(f[kOut]), batch, Hq, Hkv, D, block_size, int(f[kMaxBlocks]),
-                                 scale, num_threads, 1);
+    neo_append_kv(ptr(kKNew), ptr(kVNew), ptr(kKCache), ptr(kVCache), static_cast<const int64_t*>(ptr(kSlots)),
+                  batch, row_bytes);
+    status = neo_paged_attention(ptr(kQ), q_dtype, ptr(kKCache), ptr(kVCache), kv_dtype,
+                                 static_cast<const int32_t*>(ptr(kTables)), static_cast<const int32_t*>(ptr(kLens)),
+                                 ptr(kOut), batch, Hq, Hkv, D, block_size, int(f[kMaxBlocks]), scale, num_threads, 1);
     seconds[s] = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    if (status == kOk) __atomic_store_n(reinterpret_cast<int64_t*>(f[kDone]), int64_t(1), __ATOMIC_RELEASE);
-    else break;
+    if (status != kOk) break;
+    __atomic_store_n(static_cast<int64_t*>(ptr(kDone)), int64_t(1), __ATOMIC_RELEASE);
   }
   for (; s < num_steps; ++s)
     __atomic_store_n(reinterpret_cast<int64_t*>(steps[size_t(s) * kStepFields + kDone]), int64_t(-1), __ATOMIC_RELEASE);

@@ -284,6 +284,14 @@ class Flags:
     def set(self, index: int, value: int = 1) -> None:
         self.values[index] = value
 
+    def set_in_order(self, index: int, one: torch.Tensor) -> None:
+        """Sets flag `index` after the work queued before it: on CUDA by copying `one` (int64 [1] holding 1, on
+        the device) on the current stream, so it lands behind the copies it announces; elsewhere at once."""
+        if one.device.type == "cuda":
+            self.tensor[index:index + 1].copy_(one, non_blocking=True)
+        else:
+            self.set(index)
+
     def fail_from(self, index: int) -> None:
         self.values[index:] = self.FAILED
 
@@ -321,8 +329,8 @@ class IterationLane:
 
 _STEP_FIELDS = ("ready", "done", "q", "k", "v", "out", "k_cache", "v_cache", "slots", "tables", "lens", "batch",
                 "max_blocks")  # the order of the library's StepField
-_HAND_OFF_STATUS = {12: "a hand-off timed out", 20: "abandoned by the launching thread"}
-_ABANDONED = 20
+_ABANDONED = 20  # the library's kAbandoned: the launching side gave up, and raised its own error
+_HAND_OFF_STATUS = {12: "a hand-off timed out", _ABANDONED: "abandoned by the launching thread"}
 
 
 def decode_iteration(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], lanes: list[IterationLane],

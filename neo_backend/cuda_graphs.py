@@ -172,7 +172,7 @@ class LaneGraphs:
         if with_host:
             for host, dev in ((self.host_q, q), (self.host_k, k), (self.host_v, v)):
                 host[:bs].copy_(dev, non_blocking=True)
-            self.ready.tensor[layer_idx:layer_idx + 1].copy_(self._one, non_blocking=True)  # after the copies
+            self.ready.set_in_order(layer_idx, self._one)
 
     def load(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, num_host: int
              ) -> int:

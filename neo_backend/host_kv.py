@@ -2,8 +2,9 @@
 
 Swaps run on their own CUDA stream: a swap-out gathers the request's device blocks into a staging buffer and
 copies it to pinned memory; it completes (scatter into the host pool, device blocks freed) at the start of
-a later step once the copy has landed, or at once where the scheduler needs its device blocks now. A swap-in gathers host blocks into pinned staging, copies them up and scatters them into
-the device pool on the copy stream; the compute stream waits on its event before using them.
+a later step once the copy has landed, or at once where the scheduler needs its device blocks now. A swap-in
+gathers host blocks into pinned staging, copies them up and scatters them into the device pool on the copy
+stream; the compute stream waits on its event before using them.
 """
 from __future__ import annotations
 

@@ -79,10 +79,7 @@ class EagerLane:
         if host:
             for dst, src in ((self.host_q, q), (self.host_k, k), (self.host_v, v)):
                 dst.copy_(src[n:], non_blocking=True)
-            if self.device.type == "cuda":
-                self.ready.tensor[layer_idx:layer_idx + 1].copy_(self._one, non_blocking=True)
-            else:
-                self.ready.set(layer_idx)
+            self.ready.set_in_order(layer_idx, self._one)
 
     def host_lane(self) -> cpu_attention.IterationLane:
         b = self.sub.host_batch
@@ -147,15 +144,17 @@ class PipelinedExecutor:
         job = None
         if host_lanes:
             job = self.worker.submit(self._attend_on_host, [lane.host_lane() for lane in host_lanes])
-        issued = {id(lane): 0 for lane in host_lanes}  # layers whose ready flag the device was asked to set
+        slot = {id(lane): i for i, lane in enumerate(host_lanes)}  # position among the lanes with host rows
+        issued = [0] * len(host_lanes)  # per host lane: layers whose ready flag the device was asked to set
         try:
             for layer_idx in range(num_layers + 1):
                 for lane in lanes:
-                    if id(lane) in issued and layer_idx > 0:
-                        self._wait_done((layer_idx - 1) * len(host_lanes) + host_lanes.index(lane), job)
+                    i = slot.get(id(lane))
+                    if i is not None and layer_idx > 0:
+                        self._wait_done((layer_idx - 1) * len(host_lanes) + i, job)
                     lane.segment(layer_idx)
-                    if id(lane) in issued and layer_idx < num_layers:
-                        issued[id(lane)] += 1
+                    if i is not None and layer_idx < num_layers:
+                        issued[i] += 1
         except BaseException:
             self._abandon(host_lanes, issued, job)
             raise
@@ -175,11 +174,11 @@ class PipelinedExecutor:
             job.result()  # raises the worker's error
             raise KernelError("CPU attention stopped without an error")
 
-    def _abandon(self, host_lanes: list[EagerLane | GraphLane], issued: dict[int, int], job: Future | None) -> None:
+    def _abandon(self, host_lanes: list[EagerLane | GraphLane], issued: list[int], job: Future | None) -> None:
         """The launching side failed mid-iteration: stop the worker at the first step it will never get, and
         let queued device copies land before the flags are reused."""
-        for lane in host_lanes:
-            lane.ready.fail_from(issued[id(lane)])
+        for lane, count in zip(host_lanes, issued):
+            lane.ready.fail_from(count)
         if job is not None:
             wait([job])
         if self.host_attention.device.type == "cuda":

@@ -103,12 +103,11 @@ def _cpu_attention_fit(runner, host_cache) -> tuple[float, float, float]:
     by requests and context tokens. Each layer reads its own cache, so the reads come from DRAM as in serving;
     timing one layer over and over would measure the last-level cache (300 MiB on the H200's host)."""
     cfg, bs = runner.model_cfg, runner.block_size
-    host = runner.host_attention
+    host, dtype = runner.host_attention, host_cache.k_caches[0].dtype
     rows, times = [], []
     for batch, context in ((1, 256), (4, 1024), (8, 1024), (16, 512), (32, 1024)):
         if batch * context > host_cache.num_blocks * bs:
             continue
-        dtype = host_cache.k_caches[0].dtype
         q = torch.randn(batch, cfg.num_heads, cfg.head_dim).to(dtype)
         k = torch.randn(batch, cfg.num_kv_heads, cfg.head_dim).to(dtype)
         tables = _random_tables(batch, context, bs, host_cache.num_blocks, "cpu")
