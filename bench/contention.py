@@ -1,9 +1,11 @@
 """CPU-contention benchmark: the `auto` policy's fail-safe against real CPU hogs, next to `always` (and `never`).
 
 For each policy, a steady Poisson load (serving.py's trace and replay) runs through four windows: a warm-up
-(not reported), `quiet`, `contention` (as many processes as this process has cores copy a buffer larger than
-the LLC in a loop, taking CPU time and memory bandwidth) and `recovery` (hogs killed). `auto` should notice the
-slow CPU work, stop offloading and keep its P99 TPOT; `always` cannot, and degrades.
+(not reported), `quiet`, `contention` (one process per core copies a buffer larger than the LLC in a loop, taking
+CPU time and memory bandwidth) and `recovery` (hogs killed). `auto` should notice the slow CPU work, stop
+offloading and keep its P99 TPOT; `always` cannot, and degrades. With `--engine-cpu` the hogs run on every core
+but that one, as where an operator keeps other workloads off the engine's CPU (cpusets); without it they share
+every core, the engine loop's too.
 
     python bench/contention.py --gpu-memory-gb 24 --rate 6 --cpu-kv-cache-gb 32 --policies auto always never \\
         --warmup-seconds 8 --phase-seconds 12 --json contention.json
@@ -38,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from serving import Record, add_engine_args, make_trace, pct, replay, start_engine, trace_vocab  # noqa: E402
 from serving import without_last_iteration  # noqa: E402
+from neo_backend.cpus import attention_cpus  # noqa: E402
 from neo_backend.scheduler import CPU_BEHIND  # noqa: E402
 from neo_backend.streaming import StreamingEngine  # noqa: E402
 
@@ -46,6 +49,7 @@ HOG_BUFFER_MIB = 64      # per hog, source and destination each: together well b
 HOG_CODE = f"""
 import os, sys
 import numpy as np
+os.sched_setaffinity(0, {{int(cpu) for cpu in sys.argv[2].split(",")}})
 src = np.ones({HOG_BUFFER_MIB} << 17)
 dst = np.empty_like(src)
 while os.getppid() == int(sys.argv[1]):   # ends by itself should the benchmark be killed
@@ -58,8 +62,9 @@ COUNTERS = ("generation_tokens", "cpu_decode_tokens", "preemptions", "swap_out_b
 Window = tuple[float, float]
 
 
-def start_hogs(count: int) -> list[subprocess.Popen]:
-    return [subprocess.Popen([sys.executable, "-c", HOG_CODE, str(os.getpid())]) for _ in range(count)]
+def start_hogs(count: int, cpus: set[int]) -> list[subprocess.Popen]:
+    where = ",".join(map(str, sorted(cpus)))
+    return [subprocess.Popen([sys.executable, "-c", HOG_CODE, str(os.getpid()), where]) for _ in range(count)]
 
 
 def stop_hogs(hogs: list[subprocess.Popen]) -> None:
@@ -69,12 +74,12 @@ def stop_hogs(hogs: list[subprocess.Popen]) -> None:
         hog.wait()
 
 
-def hog_window(count: int, start_at: float, stop_at: float, marks: dict[str, float], cancel: threading.Event
-               ) -> None:
+def hog_window(count: int, cpus: set[int], start_at: float, stop_at: float, marks: dict[str, float],
+               cancel: threading.Event) -> None:
     """Hogs from `start_at` to `stop_at` (or until cancelled); `marks` gets when they really started and ended."""
     if cancel.wait(max(0.0, start_at - time.perf_counter())):
         return
-    hogs = start_hogs(count)
+    hogs = start_hogs(count, cpus)
     marks["contention"] = time.perf_counter()
     try:
         cancel.wait(max(0.0, stop_at - time.perf_counter()))
@@ -94,7 +99,9 @@ def drive(front: StreamingEngine, trace, args: argparse.Namespace
     cancel, marks, samples = threading.Event(), {}, []
     quiet_at = time.perf_counter() + args.warmup_seconds
     end = quiet_at + 3 * args.phase_seconds
-    helpers = [threading.Thread(target=hog_window, args=(args.hogs, quiet_at + args.phase_seconds,
+    cpus = attention_cpus(front.config.engine_cpu)
+    hogs = args.hogs or len(cpus)
+    helpers = [threading.Thread(target=hog_window, args=(hogs, cpus, quiet_at + args.phase_seconds,
                                                          quiet_at + 2 * args.phase_seconds, marks, cancel)),
                threading.Thread(target=sample_stats, args=(front, samples, cancel))]
     for thread in helpers:
@@ -177,7 +184,7 @@ def main() -> int:
     parser.add_argument("--rate", type=float, default=6.0, help="requests/s of the Poisson load")
     parser.add_argument("--phase-seconds", type=float, default=40.0, help="length of quiet, contention, recovery")
     parser.add_argument("--warmup-seconds", type=float, default=10.0, help="load before the quiet window")
-    parser.add_argument("--hogs", type=int, default=len(os.sched_getaffinity(0)), help="busy processes")
+    parser.add_argument("--hogs", type=int, help="busy processes (default: one per core they may use)")
     parser.add_argument("--workload", choices=["a10g", "fixed"], default="a10g")
     parser.add_argument("--fixed", nargs=2, type=int, default=[256, 128], metavar=("INPUT", "OUTPUT"))
     parser.add_argument("--seed", type=int, default=0)

@@ -50,6 +50,9 @@ class EngineConfig:
     cpu_kv_cache_gb: float = field(default=4.0, metadata={"help": "host (pinned) KV pool size in GiB"})
     cpu_attention_threads: int | None = field(default=None, metadata={
         "help": "default: the cores this process may use, less one on CUDA (for the launching thread)"})
+    engine_cpu: int | None = field(default=None, metadata={
+        "help": "pin the engine loop thread to this CPU and CPU attention to the others; with other processes "
+                "kept off it, a busy host cannot slow the GPU path"})
     pipeline: str = field(default="auto", metadata={"choices": PIPELINE_MODES})
     cpu_latency_slack: float = field(default=1.2, metadata={"help": "auto: an iteration with CPU work may take at "
                                                                     "most this times its GPU part alone"})
@@ -84,6 +87,8 @@ class EngineConfig:
             raise ConfigError(f"cpu_latency_slack must be >= 1, got {self.cpu_latency_slack}")
         if self.cpu_kv_cache_gb < 0:
             raise ConfigError(f"cpu_kv_cache_gb must be >= 0, got {self.cpu_kv_cache_gb}")
+        if self.engine_cpu is not None and self.engine_cpu < 0:
+            raise ConfigError(f"engine_cpu must be a CPU number >= 0, got {self.engine_cpu}")
         if self.max_logprobs < 0:
             raise ConfigError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -18,6 +17,7 @@ import torch
 
 from . import cpu_attention
 from .config import ModelConfig
+from .cpus import attention_cpus, pin_current_thread
 from .errors import ConfigError
 
 log = logging.getLogger("neo_backend")
@@ -62,9 +62,9 @@ class BlockSwapper:
 
     def swap_out(self, request_id: str, device_blocks: list[int], host_blocks: list[int]) -> None:
         """Start copying device blocks to host blocks; `complete` finishes it and returns the device blocks."""
-        src = torch.tensor(device_blocks, dtype=torch.long, device=self.device)
         staging = []
         with self._on_copy_stream():
+            src = self._device_ids(device_blocks)
             for k, v in zip(self.device_k, self.device_v):
                 gathered = torch.stack((k.index_select(0, src), v.index_select(0, src)))
                 host = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=self.stream is not None)
@@ -98,8 +98,8 @@ class BlockSwapper:
     def swap_in(self, host_blocks: list[int], device_blocks: list[int]) -> None:
         """Copy host blocks to device blocks; compute waits for it via `wait_swap_in`."""
         src = torch.tensor(host_blocks, dtype=torch.long)
-        dst = torch.tensor(device_blocks, dtype=torch.long, device=self.device)
         with self._on_copy_stream():
+            dst = self._device_ids(device_blocks)
             for k, v, hk, hv in zip(self.device_k, self.device_v, self.host.k_caches, self.host.v_caches):
                 # gathered straight into pinned staging: one host copy, on the launching thread's clock
                 staged = torch.empty((2, len(host_blocks), *hk.shape[1:]), dtype=hk.dtype,
@@ -118,10 +118,18 @@ class BlockSwapper:
             self._swap_in_done = None
 
     def _on_copy_stream(self):
+        """The copy stream, after the work queued so far. Tensors a swap uses on it are allocated under it: the
+        caching allocator would hand a compute-stream tensor to the next step while the copy still reads it."""
         if self.stream is None:
             return contextlib.nullcontext()
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         return torch.cuda.stream(self.stream)
+
+    def _device_ids(self, ids: list[int]) -> torch.Tensor:
+        """Block ids on the device, copied on the current stream without a wait: a blocking copy on the copy
+        stream would hold the scheduler until every swap queued before had landed."""
+        return torch.tensor(ids, dtype=torch.long, pin_memory=self.stream is not None).to(self.device,
+                                                                                          non_blocking=True)
 
     def _record(self) -> torch.cuda.Event | None:
         if self.stream is None:
@@ -151,17 +159,28 @@ class HostAttention:
     """Decode attention of CPU-requests: q/k/v of the new token go down, the kernel appends k/v to the host
     pool and attends (GIL released), the output goes back up. Times every call for the fail-safe."""
 
-    def __init__(self, host: HostKVCache, scale: float, device: torch.device, num_threads: int | None) -> None:
+    def __init__(self, host: HostKVCache, scale: float, device: torch.device, num_threads: int | None,
+                 engine_cpu: int | None = None) -> None:
         self.host = host
         self.scale = scale
         self.device = device
-        if not num_threads and device.type == "cuda":
+        self.engine_cpu = engine_cpu
+        self.cpus = attention_cpus(engine_cpu)
+        if not num_threads and engine_cpu is not None:
+            num_threads = len(self.cpus)
+        elif not num_threads and device.type == "cuda":
             # one core stays with the thread that launches the device work: OpenMP's static schedule waits
             # for its slowest thread, and a team on every core shares one with that thread
-            num_threads = max(1, len(os.sched_getaffinity(0)) - 1)
+            num_threads = max(1, len(self.cpus) - 1)
         if num_threads:
             cpu_attention.set_num_threads(num_threads)
         self.seconds = 0.0
+
+    def enter_thread(self) -> None:
+        """Run first by a thread that will call the kernels: with `engine_cpu` set, it and the OpenMP team it
+        starts (whose threads inherit its CPUs) stay off the engine's CPU."""
+        if self.engine_cpu is not None:
+            pin_current_thread(self.cpus, "CPU attention")
 
     def run(self, layer: int, batch: HostDecodeBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             out: torch.Tensor) -> None:

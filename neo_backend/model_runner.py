@@ -86,7 +86,7 @@ class ModelRunner:
                                       pin=self.device.type == "cuda")
         self.swapper = BlockSwapper(self.k_caches, self.v_caches, self.host_cache, self.device)
         self.host_attention = HostAttention(self.host_cache, model_cfg.head_dim ** -0.5, self.device,
-                                            config.cpu_attention_threads)
+                                            config.cpu_attention_threads, config.engine_cpu)
         self.pipeline = PipelinedExecutor(self.host_attention, self._capture_lane_graphs())
 
     def _capture_lane_graphs(self) -> list[LaneGraphs] | None:

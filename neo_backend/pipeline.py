@@ -130,7 +130,8 @@ class PipelinedExecutor:
     def __init__(self, host_attention: HostAttention, lane_graphs: list[LaneGraphs] | None = None) -> None:
         self.host_attention = host_attention
         self.lane_graphs = lane_graphs
-        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="neo-cpu-attention")
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="neo-cpu-attention",
+                                         initializer=host_attention.enter_thread)
         self.done = cpu_attention.Flags(0, spin_seconds(host_attention.device))
 
     def run(self, model, subs: list[SubBatch]) -> list[torch.Tensor]:

@@ -12,6 +12,7 @@ import time
 from typing import Any, Callable, Iterator, Mapping
 
 from .config import EngineConfig
+from .cpus import attention_cpus, pin_current_thread
 from .engine import LLMEngine
 from .errors import EngineDeadError, InvalidRequestError, QueueFullError
 from .outputs import RequestOutput
@@ -59,6 +60,7 @@ class StreamingEngine:
     def __init__(self, config: EngineConfig | None = None, engine: LLMEngine | None = None) -> None:
         self.engine = engine or LLMEngine(config)
         self.config = self.engine.config
+        attention_cpus(self.config.engine_cpu)  # an engine_cpu this process may not use fails here
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
         self._lock = threading.Lock()
@@ -114,6 +116,8 @@ class StreamingEngine:
 
     def _loop(self) -> None:
         try:
+            if self.config.engine_cpu is not None:
+                pin_current_thread({self.config.engine_cpu}, "engine loop")
             while not self._stopping:
                 self._drain_inbox()
                 if not self.engine.has_unfinished_requests():

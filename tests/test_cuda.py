@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from neo_backend import EngineConfig, LLMEngine
+from neo_backend.config import ModelConfig
+from neo_backend.host_kv import BlockSwapper, HostKVCache
 from neo_backend.layers import fused
 from neo_backend.layers.activation import silu_and_mul_reference
 from neo_backend.layers.norm import add_rms_norm_reference
@@ -88,3 +90,37 @@ def test_cuda_greedy_unchanged_by_offload(tiny_model_dirs, policy, pipeline, mon
     assert _collect(engine, prompts, max_tokens, stagger=True) == expected
     stats = engine.stats_snapshot()
     assert stats["cpu_decode_tokens"] > 0 and stats["gpu_blocks_used"] == 0 and stats["cpu_blocks_used"] == 0
+
+
+def test_swaps_copy_the_right_blocks_while_the_compute_stream_moves_on():
+    """A swap's copies run on the copy stream, behind earlier swaps; the compute stream meanwhile allocates and
+    fills tensors of the swap's index size, which must not land in the swap's block ids."""
+    cfg = ModelConfig(vocab_size=64, hidden_size=1024, intermediate_size=64, num_layers=4, num_heads=8,
+                      num_kv_heads=8, head_dim=128)
+    shape = (64, 16, cfg.num_kv_heads, cfg.head_dim)
+    device_k = [torch.randn(shape, device="cuda", dtype=torch.float16) for _ in range(cfg.num_layers)]
+    device_v = [torch.randn(shape, device="cuda", dtype=torch.float16) for _ in range(cfg.num_layers)]
+    swapper = BlockSwapper(device_k, device_v, HostKVCache(cfg, 64, 16, torch.float16, pin=True),
+                           torch.device("cuda"))
+    out_blocks, in_blocks = list(range(1, 33)), list(range(33, 64))
+
+    def busy_copy_stream():
+        with torch.cuda.stream(swapper.stream):
+            torch.cuda._sleep(100_000_000)  # earlier swaps still copying
+
+    busy_copy_stream()
+    swapper.swap_out("a", out_blocks, out_blocks)
+    decoys = [torch.zeros(len(out_blocks), dtype=torch.long, device="cuda") for _ in range(8)]
+    swapper.complete(wait=True)
+    for layer in range(cfg.num_layers):
+        assert torch.equal(swapper.host.k_caches[layer][out_blocks], device_k[layer][out_blocks].cpu())
+        assert torch.equal(swapper.host.v_caches[layer][out_blocks], device_v[layer][out_blocks].cpu())
+
+    busy_copy_stream()
+    swapper.swap_in(out_blocks[:31], in_blocks)
+    decoys += [torch.zeros(len(in_blocks), dtype=torch.long, device="cuda") for _ in range(8)]
+    swapper.wait_swap_in()
+    torch.cuda.synchronize()
+    for layer in range(cfg.num_layers):
+        assert torch.equal(device_k[layer][in_blocks], device_k[layer][out_blocks[:31]])
+        assert torch.equal(device_v[layer][in_blocks], device_v[layer][out_blocks[:31]])

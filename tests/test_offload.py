@@ -1,9 +1,13 @@
 """NEO offload end to end on CPU: greedy tokens do not depend on where requests live or how a step runs."""
 from __future__ import annotations
 
+import os
+import threading
+
 import pytest
 
-from neo_backend import EngineConfig, LLMEngine
+from neo_backend import EngineConfig, LLMEngine, cpu_attention
+from neo_backend.streaming import StreamingEngine
 
 from test_generation import _collect, _mixed_requests
 
@@ -75,14 +79,14 @@ def test_auto_backs_off_when_cpu_attention_is_slowed(tiny_model_dirs, workload, 
 
     prompts, max_tokens = workload
     engine = _engine(tiny_model_dirs["llama3"], 24, offload_policy="auto")
-    host = engine.runner.host_attention
-    real_run = host.run
+    real_iteration = cpu_attention.decode_iteration
 
-    def slow_run(*args, **kwargs):
+    def slow_iteration(*args, **kwargs):
         _time.sleep(0.02)
-        return real_run(*args, **kwargs)
+        seconds = real_iteration(*args, **kwargs)
+        return seconds + 0.02 / len(seconds)
 
-    monkeypatch.setattr(host, "run", slow_run)
+    monkeypatch.setattr(cpu_attention, "decode_iteration", slow_iteration)
     sched = engine.scheduler
     tokens = {}
     order = []
@@ -105,3 +109,44 @@ def test_auto_backs_off_when_cpu_attention_is_slowed(tiny_model_dirs, workload, 
     assert [tokens[r] for r in order] == reference_tokens
     stats = engine.stats_snapshot()
     assert stats["gpu_blocks_used"] == 0 and stats["cpu_blocks_used"] == 0
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_engine_cpu_pins_the_loop_and_keeps_cpu_attention_off_it(tiny_model_dirs, workload, reference_tokens):
+    allowed = os.sched_getaffinity(0)
+    engine_cpu = max(allowed)
+    front = StreamingEngine(engine=_engine(tiny_model_dirs["llama3"], 24, offload_policy="always", pipeline="on",
+                                           engine_cpu=engine_cpu))
+    try:
+        prompts, max_tokens = workload
+        streams = [front.submit(p, {"max_tokens": m, "temperature": 0, "ignore_eos": True})
+                   for p, m in zip(prompts, max_tokens)]
+        tokens = [[t for out in _outputs(stream) for t in out.token_ids] for stream in streams]
+        threads = {t.name: t.native_id for t in threading.enumerate()}
+        assert os.sched_getaffinity(threads["neo-engine-loop"]) == {engine_cpu}
+        worker = next(tid for name, tid in threads.items() if name.startswith("neo-cpu-attention"))
+        assert os.sched_getaffinity(worker) == allowed - {engine_cpu}
+        assert tokens == reference_tokens
+        assert front.stats()["cpu_decode_tokens"] > 0
+    finally:
+        front.shutdown()
+
+
+def _outputs(stream, timeout_s: float = 60.0):
+    while not stream.finished:
+        yield stream.get(timeout=timeout_s)
+
+
+def test_an_engine_cpu_this_process_may_not_use_is_a_clear_error(tiny_model_dirs):
+    from neo_backend import ConfigError
+
+    with pytest.raises(ConfigError, match="engine_cpu=100000 is not among the CPUs"):
+        _engine(tiny_model_dirs["llama3"], 24, offload_policy="always", engine_cpu=100000)
+
+
+def test_a_host_pool_smaller_than_the_profile_shapes_still_profiles(tiny_model_dirs, tmp_path):
+    block_bytes = _engine(tiny_model_dirs["llama3"], 24, offload_policy="never").runner.block_bytes
+    engine = _engine(tiny_model_dirs["llama3"], 24, offload_policy="auto", cpu_kv_cache_gb=3 * block_bytes / 2 ** 30,
+                     cache_dir=str(tmp_path))
+    assert engine.runner.num_cpu_blocks == 3
+    assert engine.perf_model.cpu_attention(4, 4 * 8) > 0

@@ -21,27 +21,41 @@ class Sampler:
         self.eos_token_ids = eos_token_ids
         self.default_generator: torch.Generator | None = None
         self.seed = seed
+        self.copied: torch.cuda.Event | None = None
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
         finite = torch.isfinite(logits).all(dim=-1)
-        non_finite = set() if bool(finite.all()) else set((~finite).nonzero().flatten().tolist())
-        if non_finite:
-            logits = torch.where(finite.unsqueeze(1), logits, torch.zeros_like(logits))
+        logits = logits.masked_fill(~finite.unsqueeze(1), 0.0)
         raw_logprobs = torch.log_softmax(logits, dim=-1)
         logits = self._apply_penalties(logits, seqs)
         logits = self._apply_min_tokens(logits, seqs)
         tokens = self._sample(logits, seqs)
-        token_list = tokens.tolist()
-        chosen = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+        chosen = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        num_top = max(s.params.logprobs or 0 for s in seqs)
+        top_values, top_ids = raw_logprobs.topk(num_top) if num_top else (chosen, tokens)
+        finite, tokens, chosen, top_values, top_ids = self.to_host(finite, tokens, chosen, top_values, top_ids)
         tops: list[dict[int, float] | None] = []
         for row, seq in enumerate(seqs):
             n = seq.params.logprobs
-            if n:
-                values, ids = raw_logprobs[row].topk(n)
-                tops.append(dict(zip(ids.tolist(), values.tolist())))
-            else:
-                tops.append(None)
-        return SampleResult(token_list, chosen, tops, non_finite)
+            tops.append(dict(zip(top_ids[row, :n].tolist(), top_values[row, :n].tolist())) if n else None)
+        non_finite = set((~finite).nonzero().flatten().tolist())
+        return SampleResult(tokens.tolist(), chosen.tolist(), tops, non_finite)
+
+    def to_host(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
+        """Copies of `tensors` in host memory, after one wait that sleeps instead of spinning.
+
+        A spinning wait keeps the engine thread runnable for the whole GPU step: a busy neighbour on its core
+        then takes half of that core from it, and the step's host work runs at half speed. A blocking event
+        lets the thread sleep and wake on a core with the priority of a sleeper (a few microseconds a step).
+        """
+        if tensors[0].device.type != "cuda":
+            return list(tensors)
+        host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) for t in tensors]
+        if self.copied is None:
+            self.copied = torch.cuda.Event(blocking=True)
+        self.copied.record()
+        self.copied.synchronize()
+        return host
 
     def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         rows = [i for i, s in enumerate(seqs) if s.params.repetition_penalty != 1.0
