@@ -2,7 +2,7 @@
 
 For each policy, a steady Poisson load (serving.py's trace and replay) runs through four windows: a warm-up
 (not reported), `quiet`, `contention` (one process per core copies a buffer larger than the LLC in a loop, taking
-CPU time and memory bandwidth) and `recovery` (hogs killed). `auto` should notice the slow CPU work, stop
+CPU time and memory bandwidth; or, `--hog-kind compute`, only CPU time) and `recovery` (hogs killed). `auto` should notice the slow CPU work, stop
 offloading and keep its P99 TPOT; `always` cannot, and degrades. With `--engine-cpu` the hogs run on every core
 but that one, as where an operator keeps other workloads off the engine's CPU (cpusets); without it they share
 every core, the engine loop's too.
@@ -45,16 +45,23 @@ from neo_backend.scheduler import CPU_BEHIND  # noqa: E402
 from neo_backend.streaming import StreamingEngine  # noqa: E402
 
 PHASES = ("quiet", "contention", "recovery")
-HOG_BUFFER_MIB = 64      # per hog, source and destination each: together well beyond any LLC
-HOG_CODE = f"""
+HOG_BUFFER_MIB = 64      # per memory hog, source and destination each: together well beyond any LLC
+HOG_CODE = {  # argv: the benchmark's pid (a hog ends by itself should the benchmark be killed), its CPUs
+    "memory": f"""
 import os, sys
 import numpy as np
 os.sched_setaffinity(0, {{int(cpu) for cpu in sys.argv[2].split(",")}})
 src = np.ones({HOG_BUFFER_MIB} << 17)
 dst = np.empty_like(src)
-while os.getppid() == int(sys.argv[1]):   # ends by itself should the benchmark be killed
+while os.getppid() == int(sys.argv[1]):
     np.copyto(dst, src)
-"""
+""",
+    "compute": """
+import os, sys
+os.sched_setaffinity(0, {int(cpu) for cpu in sys.argv[2].split(",")})
+while os.getppid() == int(sys.argv[1]):
+    sum(range(100_000))
+"""}
 SAMPLE_INTERVAL_S = 0.5
 MIN_GAPS = 4             # a request with fewer inter-token gaps in a window gives no TPOT sample there
 COUNTERS = ("generation_tokens", "cpu_decode_tokens", "preemptions", "swap_out_blocks", "swap_in_blocks")
@@ -62,9 +69,10 @@ COUNTERS = ("generation_tokens", "cpu_decode_tokens", "preemptions", "swap_out_b
 Window = tuple[float, float]
 
 
-def start_hogs(count: int, cpus: set[int]) -> list[subprocess.Popen]:
+def start_hogs(kind: str, count: int, cpus: set[int]) -> list[subprocess.Popen]:
     where = ",".join(map(str, sorted(cpus)))
-    return [subprocess.Popen([sys.executable, "-c", HOG_CODE, str(os.getpid()), where]) for _ in range(count)]
+    return [subprocess.Popen([sys.executable, "-c", HOG_CODE[kind], str(os.getpid()), where])
+            for _ in range(count)]
 
 
 def stop_hogs(hogs: list[subprocess.Popen]) -> None:
@@ -74,12 +82,12 @@ def stop_hogs(hogs: list[subprocess.Popen]) -> None:
         hog.wait()
 
 
-def hog_window(count: int, cpus: set[int], start_at: float, stop_at: float, marks: dict[str, float],
+def hog_window(kind: str, count: int, cpus: set[int], start_at: float, stop_at: float, marks: dict[str, float],
                cancel: threading.Event) -> None:
     """Hogs from `start_at` to `stop_at` (or until cancelled); `marks` gets when they really started and ended."""
     if cancel.wait(max(0.0, start_at - time.perf_counter())):
         return
-    hogs = start_hogs(count, cpus)
+    hogs = start_hogs(kind, count, cpus)
     marks["contention"] = time.perf_counter()
     try:
         cancel.wait(max(0.0, stop_at - time.perf_counter()))
@@ -101,7 +109,7 @@ def drive(front: StreamingEngine, trace, args: argparse.Namespace
     end = quiet_at + 3 * args.phase_seconds
     cpus = attention_cpus(front.config.engine_cpu)
     hogs = args.hogs or len(cpus)
-    helpers = [threading.Thread(target=hog_window, args=(hogs, cpus, quiet_at + args.phase_seconds,
+    helpers = [threading.Thread(target=hog_window, args=(args.hog_kind, hogs, cpus, quiet_at + args.phase_seconds,
                                                          quiet_at + 2 * args.phase_seconds, marks, cancel)),
                threading.Thread(target=sample_stats, args=(front, samples, cancel))]
     for thread in helpers:
@@ -184,6 +192,8 @@ def main() -> int:
     parser.add_argument("--rate", type=float, default=6.0, help="requests/s of the Poisson load")
     parser.add_argument("--phase-seconds", type=float, default=40.0, help="length of quiet, contention, recovery")
     parser.add_argument("--warmup-seconds", type=float, default=10.0, help="load before the quiet window")
+    parser.add_argument("--hog-kind", choices=list(HOG_CODE), default="memory",
+                        help="memory: copy buffers beyond the LLC (CPU time and memory bandwidth); compute: CPU time")
     parser.add_argument("--hogs", type=int, help="busy processes (default: one per core they may use)")
     parser.add_argument("--workload", choices=["a10g", "fixed"], default="a10g")
     parser.add_argument("--fixed", nargs=2, type=int, default=[256, 128], metavar=("INPUT", "OUTPUT"))

@@ -82,6 +82,11 @@ class Scheduler:
         """The fail-safe's signal: CPU work runs much slower than predicted, so `auto` stops giving it more."""
         return self.perf is not None and max(self.perf.cpu_correction, self.perf.offload_slowdown) > CPU_BEHIND
 
+    @property
+    def host_slow(self) -> bool:
+        """The host's attention itself runs far slower than profiled: other processes hold its cores."""
+        return self.perf is not None and self.perf.cpu_correction > CPU_BEHIND
+
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
@@ -124,6 +129,8 @@ class Scheduler:
         out = SchedulerOutput()
         if self.policy == "auto" and (not self.waiting or self.cpu_behind):
             self._swap_in()
+        if self.policy == "auto" and self.host_slow:
+            self._recompute_cpu_requests(out)
         if self.policy != "never":
             self._make_room_for_admission()
         budget = self._schedule_gpu_running(out, self.config.max_num_batched_tokens)
@@ -170,6 +177,12 @@ class Scheduler:
             self.cpu_running.remove(seq)
             self.running.append(seq)
             self._swapped_in.add(seq.request_id)
+
+    def _recompute_cpu_requests(self, out: SchedulerOutput) -> None:
+        """On a busy host, CPU-requests that found no room to swap back are recomputed on the GPU later: left on
+        the host, each would stall every iteration it is forced into (MAX_SKIPPED_ITERATIONS)."""
+        for seq in list(reversed(self.cpu_running)):
+            self._preempt(seq, out)
 
     def _make_room_for_admission(self) -> None:
         if not self.waiting:

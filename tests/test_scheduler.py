@@ -205,3 +205,25 @@ def test_a_swap_out_in_flight_holds_its_request_until_the_copy_lands(monkeypatch
     sched.remove(in_flight)  # finishing (or aborting) a request lands its copy before its blocks are reused
     assert events[1].landed and not sched.swapper.in_transit(in_flight.request_id)
     assert sched.gpu_blocks.num_used_blocks == 0
+
+
+def test_a_busy_host_sends_cpu_requests_back_to_the_gpu_and_a_quiet_one_gets_them_again():
+    model = perf()
+    sched = make_scheduler("auto", gpu_blocks=16, model=model)
+    for i in range(6):
+        sched.add(request(i, prompt_len=7))
+    for _ in range(12):
+        run_step(sched)
+    assert sched.cpu_running, "a full device pushes requests to the host"
+    model.cpu_correction = 4 * CPU_BEHIND  # measured host attention: far slower than profiled
+    out = run_step(sched)
+    assert not sched.cpu_running and not out.cpu_decodes and out.preempted
+    assert sched.cpu_blocks.num_used_blocks == 0
+    swapped = sched.swap_out_blocks
+    for _ in range(3):
+        assert not run_step(sched).cpu_decodes, "nothing goes back to a busy host"
+    assert sched.swap_out_blocks == swapped
+    model.cpu_correction = 1.0
+    for _ in range(12):
+        run_step(sched)
+    assert sched.swap_out_blocks > swapped and sched.cpu_running, "offloading resumes once the host is quiet"
