@@ -178,9 +178,14 @@ class HostAttention:
 
     def enter_thread(self) -> None:
         """Run first by a thread that will call the kernels: with `engine_cpu` set, it and the OpenMP team it
-        starts (whose threads inherit its CPUs) stay off the engine's CPU."""
+        starts (whose threads inherit its CPUs) stay off the engine's CPU. A one-token call starts that team
+        now rather than inside the first iteration, whose timing the fail-safe reads."""
         if self.engine_cpu is not None:
             pin_current_thread(self.cpus, "CPU attention")
+        k_cache, v_cache = self.host.k_caches[0], self.host.v_caches[0]
+        q = torch.zeros(1, *k_cache.shape[2:], dtype=k_cache.dtype)
+        one = torch.ones(1, 1, dtype=torch.int32)
+        cpu_attention.paged_decode_attention(q, k_cache, v_cache, one - 1, one[0], self.scale)
 
     def run(self, layer: int, batch: HostDecodeBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             out: torch.Tensor) -> None:

@@ -71,8 +71,8 @@ class PerfModel:
         if predicted <= 0 or measured <= 0:
             return
         ratio = measured / predicted
-        if with_cpu_work:
-            current = ratio if self.offload_ratio is None else self.offload_ratio
+        if with_cpu_work:  # the first one counts like any other: it may carry one-off costs
+            current = self.gpu_only_ratio if self.offload_ratio is None else self.offload_ratio
             self.offload_ratio = current + CORRECTION_SMOOTHING * (ratio - current)
             return
         self.gpu_only_ratio += CORRECTION_SMOOTHING * (ratio - self.gpu_only_ratio)

@@ -132,6 +132,7 @@ class PipelinedExecutor:
         self.lane_graphs = lane_graphs
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="neo-cpu-attention",
                                          initializer=host_attention.enter_thread)
+        self.worker.submit(int).result()  # the worker starts now, not in the first iteration
         self.done = cpu_attention.Flags(0, spin_seconds(host_attention.device))
 
     def run(self, model, subs: list[SubBatch]) -> list[torch.Tensor]:

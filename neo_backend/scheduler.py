@@ -27,6 +27,7 @@ from .sequence import Placement, Sequence, SequenceStatus
 MAX_SKIPPED_ITERATIONS = 4   # auto: a CPU-request left out this many iterations in a row runs regardless
 GPU_WATERMARK = 0.05         # auto: keep this fraction of device blocks free before offloading new requests
 CPU_BEHIND = 1.5             # auto: measured/predicted host time above this stops new offloads
+HOST_SLOW = 3.0              # auto: host attention this much slower than profiled sends CPU-requests back
 
 
 @dataclass
@@ -85,7 +86,7 @@ class Scheduler:
     @property
     def host_slow(self) -> bool:
         """The host's attention itself runs far slower than profiled: other processes hold its cores."""
-        return self.perf is not None and self.perf.cpu_correction > CPU_BEHIND
+        return self.perf is not None and self.perf.cpu_correction > HOST_SLOW
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)

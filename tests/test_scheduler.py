@@ -8,7 +8,7 @@ from neo_backend import EngineConfig, ModelConfig, SamplingParams
 from neo_backend.block_manager import BlockManager
 from neo_backend.host_kv import BlockSwapper, HostKVCache
 from neo_backend.perf_model import PerfModel
-from neo_backend.scheduler import CPU_BEHIND, Scheduler, SchedulerOutput
+from neo_backend.scheduler import CPU_BEHIND, HOST_SLOW, Scheduler, SchedulerOutput
 from neo_backend.sequence import Placement, Sequence
 
 BLOCK = 4
@@ -215,7 +215,9 @@ def test_a_busy_host_sends_cpu_requests_back_to_the_gpu_and_a_quiet_one_gets_the
     for _ in range(12):
         run_step(sched)
     assert sched.cpu_running, "a full device pushes requests to the host"
-    model.cpu_correction = 4 * CPU_BEHIND  # measured host attention: far slower than profiled
+    model.cpu_correction = (CPU_BEHIND + HOST_SLOW) / 2  # behind: no new offloads, the CPU-requests stay
+    assert run_step(sched).cpu_decodes is not None and sched.cpu_running
+    model.cpu_correction = 2 * HOST_SLOW  # measured host attention: far slower than profiled
     out = run_step(sched)
     assert not sched.cpu_running and not out.cpu_decodes and out.preempted
     assert sched.cpu_blocks.num_used_blocks == 0
