@@ -66,6 +66,7 @@ class StreamingEngine:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stopping = False
+        self._closed: str | None = None  # why new requests are refused, once every stream has been failed
         self.dead_reason: str | None = None
         self._last_log = (time.monotonic(), 0)  # (when, generation tokens then)
         self._stats = self.engine.stats_snapshot()
@@ -96,6 +97,8 @@ class StreamingEngine:
         seq = self.engine.make_sequence(prompt, params, request_id)
         stream = RequestStream(seq.request_id, self, on_output)
         with self._lock:
+            if self._closed is not None:  # a submit racing shutdown: its stream would never be failed
+                raise EngineDeadError(f"engine is not running: {self._closed}")
             if seq.request_id in self._streams:
                 raise InvalidRequestError(f"request id {seq.request_id!r} is already in flight")
             self._streams[seq.request_id] = stream
@@ -167,5 +170,6 @@ class StreamingEngine:
     def _fail_all(self, message: str) -> None:
         with self._lock:
             streams, self._streams = self._streams, {}
+            self._closed = message
         for request_id, stream in streams.items():
             stream.put(RequestOutput(request_id, "", [], True, "error", 0, 0, 0.0, error=message))

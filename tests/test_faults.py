@@ -1,9 +1,12 @@
 """Fault isolation inside the engine: a fault fails the requests it touches, never the engine."""
 from __future__ import annotations
 
+import threading
 import time
 
 from neo_backend import EngineConfig, KernelError, LLMEngine
+from neo_backend.errors import EngineDeadError, QueueFullError
+from neo_backend.streaming import StreamingEngine
 
 from test_generation import _collect, _mixed_requests
 
@@ -107,3 +110,40 @@ def test_a_failure_inside_a_pipelined_iteration_does_not_strand_the_cpu_worker(t
     assert [o.token_ids for o in engine.generate(prompts, {"max_tokens": 6, "temperature": 0})] == expected
     assert engine.counters.modes.get("pipelined", 0) > 0
     assert engine.stats_snapshot()["cpu_blocks_used"] == 0
+
+
+def test_every_stream_ends_when_the_engine_shuts_down_under_a_stream_of_submits(tiny_model_dirs, monkeypatch):
+    """Clients keep submitting while the server shuts down: each gets a refusal or a stream that ends. A slow
+    tokenizer widens the window between a submit's health check and its registration."""
+    front = StreamingEngine(engine=_tiny_engine(tiny_model_dirs, offload_policy="never"))
+    make_sequence = front.engine.make_sequence
+
+    def slow_make_sequence(*args, **kwargs):
+        time.sleep(0.05)
+        return make_sequence(*args, **kwargs)
+
+    monkeypatch.setattr(front.engine, "make_sequence", slow_make_sequence)
+    streams, refused = [], []
+
+    def submit_until_refused() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                streams.append(front.submit([5, 6, 7], {"max_tokens": 4, "temperature": 0}))
+            except QueueFullError:
+                time.sleep(0.01)
+            except EngineDeadError as exc:
+                refused.append(exc)
+                return
+
+    submitters = [threading.Thread(target=submit_until_refused) for _ in range(4)]
+    for thread in submitters:
+        thread.start()
+    time.sleep(0.5)
+    front.shutdown()
+    for thread in submitters:
+        thread.join(timeout=60)
+    assert streams and len(refused) == len(submitters)
+    for stream in streams:
+        while not stream.finished:
+            stream.get(timeout=10)  # a stream nobody ends raises TimeoutError here
