@@ -108,7 +108,7 @@ def drive(front: StreamingEngine, trace, args: argparse.Namespace
     quiet_at = time.perf_counter() + args.warmup_seconds
     end = quiet_at + 3 * args.phase_seconds
     cpus = attention_cpus(front.config.engine_cpu)
-    hogs = args.hogs or len(cpus)
+    hogs = len(cpus) if args.hogs is None else args.hogs
     helpers = [threading.Thread(target=hog_window, args=(args.hog_kind, hogs, cpus, quiet_at + args.phase_seconds,
                                                          quiet_at + 2 * args.phase_seconds, marks, cancel)),
                threading.Thread(target=sample_stats, args=(front, samples, cancel))]

@@ -42,11 +42,11 @@ class Sampler:
         return SampleResult(tokens.tolist(), chosen.tolist(), tops, non_finite)
 
     def to_host(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
-        """Copies of `tensors` in host memory, after one wait that sleeps instead of spinning.
+        """Copies of `tensors` in host memory, after one wait for the step that sleeps instead of spinning.
 
-        A spinning wait keeps the engine thread runnable for the whole GPU step: a busy neighbour on its core
-        then takes half of that core from it, and the step's host work runs at half speed. A blocking event
-        lets the thread sleep and wake on a core with the priority of a sleeper (a few microseconds a step).
+        A spinning read-back keeps the engine thread busy through the whole GPU step, on a core the process's
+        other threads (response senders) could use; on the H200 the sleeping wait cut the p99 gap between
+        tokens of 64 streams from 36 to 15 ms at the same mean (bench/RESULTS.md).
         """
         if tensors[0].device.type != "cuda":
             return list(tensors)
