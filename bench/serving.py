@@ -82,7 +82,9 @@ def replay(front: StreamingEngine, trace, timeout_s: float) -> list[Record]:
         delay = t0 + offset - time.perf_counter()
         if delay > 0:
             time.sleep(delay)
-        th = threading.Thread(target=consume, args=(i, prompt, out_len), daemon=True)
+        # not a daemon: one still streaming when the replay returns ends when the engine's shutdown fails its
+        # stream; a daemon thread cut off at interpreter exit aborted the process (`terminate called ...`)
+        th = threading.Thread(target=consume, args=(i, prompt, out_len))
         th.start()
         threads.append(th)
     deadline = time.perf_counter() + timeout_s
