@@ -49,7 +49,8 @@ class EngineConfig:
     offload_policy: str = field(default="auto", metadata={"choices": OFFLOAD_POLICIES})
     cpu_kv_cache_gb: float = field(default=4.0, metadata={"help": "host (pinned) KV pool size in GiB"})
     cpu_attention_threads: int | None = field(default=None, metadata={
-        "help": "default: the cores this process may use, less one on CUDA (for the launching thread)"})
+        "help": "default: the cores this process may use, less one on CUDA (for the launching thread) or "
+                "less engine_cpu where that is set"})
     engine_cpu: int | None = field(default=None, metadata={
         "help": "pin the engine loop thread to this CPU and CPU attention to the others; with other processes "
                 "kept off it, a busy host cannot slow the GPU path"})
