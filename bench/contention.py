@@ -2,8 +2,8 @@
 
 For each policy, a steady Poisson load (serving.py's trace and replay) runs through four windows: a warm-up
 (not reported), `quiet`, `contention` (one process per core copies a buffer larger than the LLC in a loop, taking
-CPU time and memory bandwidth; or, `--hog-kind compute`, only CPU time) and `recovery` (hogs killed). `auto` should notice the slow CPU work, stop
-offloading and keep its P99 TPOT; `always` cannot, and degrades. With `--engine-cpu` the hogs run on every core
+CPU time and memory bandwidth; or, `--hog-kind compute`, only CPU time) and `recovery` (hogs killed). `auto`
+should notice the slow CPU work, stop offloading and keep its P99 TPOT; `always` cannot, and degrades. With `--engine-cpu` the hogs run on every core
 but that one, as where an operator keeps other workloads off the engine's CPU (cpusets); without it they share
 every core, the engine loop's too.
 

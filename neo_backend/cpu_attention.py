@@ -281,8 +281,8 @@ class Flags:
             self.values[:size] = 0
         self.size = size
 
-    def set(self, index: int, value: int = 1) -> None:
-        self.values[index] = value
+    def set(self, index: int) -> None:
+        self.values[index] = 1
 
     def set_in_order(self, index: int, one: torch.Tensor) -> None:
         """Sets flag `index` after the work queued before it: on CUDA by copying `one` (int64 [1] holding 1, on

@@ -105,8 +105,7 @@ class Scheduler:
         """Fail-over after a CPU kernel error: no more offloading; CPU-requests are recomputed on the GPU."""
         self.policy = "never"
         self.complete_swaps()
-        for seq in list(reversed(self.cpu_running)):
-            self._preempt(seq, SchedulerOutput())
+        self._recompute_cpu_requests(SchedulerOutput())
 
     def complete_swaps(self, wait: bool = True) -> None:
         """Finish started swap-outs (all, or with `wait=False` those whose copy has landed); their device
@@ -180,8 +179,9 @@ class Scheduler:
             self._swapped_in.add(seq.request_id)
 
     def _recompute_cpu_requests(self, out: SchedulerOutput) -> None:
-        """On a busy host, CPU-requests that found no room to swap back are recomputed on the GPU later: left on
-        the host, each would stall every iteration it is forced into (MAX_SKIPPED_ITERATIONS)."""
+        """Every CPU-request leaves the host pool, to be recomputed on the GPU: after a kernel failure, or on a
+        busy host for those that found no room to swap back (left there, each would stall every iteration it
+        is forced into, MAX_SKIPPED_ITERATIONS)."""
         for seq in list(reversed(self.cpu_running)):
             self._preempt(seq, out)
 

@@ -1,6 +1,7 @@
 """Fault isolation inside the engine: a fault fails the requests it touches, never the engine."""
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 
@@ -8,12 +9,24 @@ from neo_backend import EngineConfig, KernelError, LLMEngine
 from neo_backend.errors import EngineDeadError, QueueFullError
 from neo_backend.streaming import StreamingEngine
 
-from test_generation import _collect, _mixed_requests
+from test_generation import _collect, _mixed_requests, _outputs
 
 
 def _tiny_engine(tiny_model_dirs, **knobs) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(tiny_model_dirs["llama3"]), block_size=8, max_num_batched_tokens=64,
                                   **knobs))
+
+
+def _failing_on_call(real, n: int, error: Exception):
+    """`real`, except that its `n`-th call raises `error`."""
+    calls = itertools.count(1)
+
+    def wrapper(*args, **kwargs):
+        if next(calls) == n:
+            raise error
+        return real(*args, **kwargs)
+
+    return wrapper
 
 
 def _drain(engine: LLMEngine) -> dict[str, list]:
@@ -67,15 +80,8 @@ def test_cpu_kernel_failure_fails_over_to_the_gpu(tiny_model_dirs, monkeypatch):
                          prompts, max_tokens, stagger=False)
     engine = _tiny_engine(tiny_model_dirs, num_gpu_blocks=512, offload_policy="always", cpu_kv_cache_gb=0.01)
     host = engine.runner.host_attention
-    real_iteration, calls = host.run_iteration, []
-
-    def failing_iteration(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 6:
-            raise KernelError("injected: the CPU attention library failed")
-        return real_iteration(*args, **kwargs)
-
-    monkeypatch.setattr(host, "run_iteration", failing_iteration)
+    monkeypatch.setattr(host, "run_iteration", _failing_on_call(
+        host.run_iteration, 6, KernelError("injected: the CPU attention library failed")))
     assert _collect(engine, prompts, max_tokens, stagger=False) == reference
     assert engine.counters.failures == {"cpu_kernel": 1} and engine.scheduler.policy == "never"
     stats = engine.stats_snapshot()
@@ -91,15 +97,8 @@ def test_a_failure_inside_a_pipelined_iteration_does_not_strand_the_cpu_worker(t
     prompts = [[3, 4, 5], [6, 7, 8, 9]]
     expected = [o.token_ids for o in engine.generate(prompts, {"max_tokens": 6, "temperature": 0})]
     layer = engine.runner.model.layers[1]
-    real, calls = layer.attention_inputs, []
-
-    def broken(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 9:
-            raise RuntimeError("device lost")
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(layer, "attention_inputs", broken)
+    monkeypatch.setattr(layer, "attention_inputs", _failing_on_call(layer.attention_inputs, 9,
+                                                                    RuntimeError("device lost")))
     ids = [engine.add_request(p, {"max_tokens": 6, "temperature": 0}) for p in prompts]
     start = time.monotonic()
     finals = _drain(engine)
@@ -145,5 +144,4 @@ def test_every_stream_ends_when_the_engine_shuts_down_under_a_stream_of_submits(
         thread.join(timeout=60)
     assert streams and len(refused) == len(submitters)
     for stream in streams:
-        while not stream.finished:
-            stream.get(timeout=10)  # a stream nobody ends raises TimeoutError here
+        list(_outputs(stream, timeout_s=10))

@@ -32,6 +32,12 @@ def _mixed_requests(num: int, seed: int) -> tuple[list[list[int]], list[int]]:
     return prompts, max_tokens
 
 
+def _outputs(stream, timeout_s: float = 60.0):
+    """A `StreamingEngine` stream's outputs up to its last; a stream nobody ends raises TimeoutError."""
+    while not stream.finished:
+        yield stream.get(timeout=timeout_s)
+
+
 def _collect(engine: LLMEngine, prompts, max_tokens, stagger: bool) -> list[list[int]]:
     tokens: dict[str, list[int]] = {}
     order = []

@@ -9,7 +9,7 @@ import pytest
 from neo_backend import EngineConfig, LLMEngine, cpu_attention
 from neo_backend.streaming import StreamingEngine
 
-from test_generation import _collect, _mixed_requests
+from test_generation import _collect, _mixed_requests, _outputs
 
 CONFIGS = {
     "never": dict(offload_policy="never"),
@@ -130,11 +130,6 @@ def test_engine_cpu_pins_the_loop_and_keeps_cpu_attention_off_it(tiny_model_dirs
         assert front.stats()["cpu_decode_tokens"] > 0
     finally:
         front.shutdown()
-
-
-def _outputs(stream, timeout_s: float = 60.0):
-    while not stream.finished:
-        yield stream.get(timeout=timeout_s)
 
 
 def test_an_engine_cpu_this_process_may_not_use_is_a_clear_error(tiny_model_dirs):
