@@ -12,6 +12,8 @@ Three queues: `waiting` (prefill), `running` (KV on the device: prefill chunks a
    the host pool after the step when the policy is `always`, or under `auto` when the device is nearly full;
 6. the performance model picks the CPU decodes that fit the latency bound (auto: the GPU part's predicted
    time times `cpu_latency_slack`) and the mode, sequential or the two-sub-batch pipeline, by predicted tokens/s.
+Under `auto` a request moves to the host only where the model predicts more tokens/s with it there (NEO's
+objective); otherwise the next prompt waits, or the request is preempted by recompute.
 """
 from __future__ import annotations
 
@@ -336,17 +338,21 @@ class Scheduler:
         return True
 
     def _cpu_can_take(self, seq: Sequence) -> bool:
-        """Whether the host's decodes, `seq` among them, are predicted to fit the latency bound beside the device's
-        decodes. A request the CPU cannot serve in time is better recomputed later than starved on the host."""
+        """Whether moving `seq` to the host pays, by NEO's objective: beside the device's decodes, an iteration with
+        the host's decodes (`seq` among them) must fit the latency bound and yield more tokens/s than the device's
+        decodes alone. Otherwise `seq` is better recomputed later: starved on a slow host, or slowing every device
+        decode more than its own tokens add (a fast GPU beside a host of little memory bandwidth)."""
         if self.perf is None:
             return True
         if self.cpu_behind:
             return False
-        cpu = self.cpu_running + [seq]
-        cpu_time = self.perf.cpu_attention(len(cpu), sum(len(s.token_ids) for s in cpu)) * self.perf.offload_slowdown
         gpu = [s for s in self.running if s is not seq]
-        gpu_time = self.perf.sequential(len(gpu), sum(len(s.token_ids) for s in gpu), 0, 0)
-        return cpu_time <= gpu_time * self.config.cpu_latency_slack
+        gpu_tokens, gpu_ctx = len(gpu), sum(len(s.token_ids) for s in gpu)
+        cpu_ctx = [len(s.token_ids) for s in self.cpu_running + [seq]]
+        alone = self.perf.sequential(gpu_tokens, gpu_ctx, 0, 0)
+        with_cpu = self.best_mode(gpu_tokens, gpu_ctx, cpu_ctx)[0]
+        more_tokens_per_s = (gpu_tokens + len(cpu_ctx)) * alone >= gpu_tokens * with_cpu
+        return with_cpu <= alone * self.config.cpu_latency_slack and more_tokens_per_s
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self._land(seq)

@@ -83,8 +83,11 @@ def test_cuda_greedy_unchanged_by_offload(tiny_model_dirs, policy, pipeline, mon
                                     block_size=16, offload_policy=policy, pipeline=pipeline,
                                     cpu_kv_cache_gb=0.05, max_num_batched_tokens=128, cpu_latency_slack=1000.0))
     if policy == "auto":
-        # The tiny model's CPU work never pays on a GPU, so the fail-safe stops offloading after a timing-dependent
-        # number of iterations; held off, auto's swaps and placements run on every pressured step.
+        # The tiny model's CPU work never pays on a GPU: auto would not offload, or its fail-safe would stop after a
+        # timing-dependent number of iterations. Predicted free and never re-measured, auto's swaps and placements
+        # run on every pressured step.
+        for term in ("cpu_attn_fixed", "cpu_attn_per_request", "cpu_attn_per_token"):
+            monkeypatch.setattr(engine.perf_model, term, 0.0)
         for observe in ("observe_cpu", "observe_iteration"):
             monkeypatch.setattr(engine.perf_model, observe, lambda *args: None)
     assert _collect(engine, prompts, max_tokens, stagger=True) == expected
@@ -100,7 +103,7 @@ def test_swaps_copy_the_right_blocks_while_the_compute_stream_moves_on():
     shape = (64, 16, cfg.num_kv_heads, cfg.head_dim)
     device_k = [torch.randn(shape, device="cuda", dtype=torch.float16) for _ in range(cfg.num_layers)]
     device_v = [torch.randn(shape, device="cuda", dtype=torch.float16) for _ in range(cfg.num_layers)]
-    swapper = BlockSwapper(device_k, device_v, HostKVCache(cfg, 64, 16, torch.float16, pin=True),
+    swapper = BlockSwapper(device_k, device_v, HostKVCache(cfg, 64, 16, torch.float16),
                            torch.device("cuda"))
     out_blocks, in_blocks = list(range(1, 33)), list(range(33, 64))
 

@@ -25,7 +25,7 @@ def make_scheduler(policy: str, gpu_blocks: int, cpu_blocks: int = 256, model: P
                    **knobs) -> Scheduler:
     config = EngineConfig(offload_policy=policy, block_size=BLOCK, max_num_batched_tokens=64, **knobs)
     shape = (gpu_blocks, BLOCK, 1, 4)
-    host = HostKVCache(TINY, cpu_blocks, BLOCK, torch.float32, pin=False)
+    host = HostKVCache(TINY, cpu_blocks, BLOCK, torch.float32)
     swapper = BlockSwapper([torch.zeros(shape)], [torch.zeros(shape)], host, torch.device("cpu"))
     return Scheduler(config, BlockManager(gpu_blocks, BLOCK, "gpu"), BlockManager(cpu_blocks, BLOCK, "cpu"),
                      swapper, model or perf())
@@ -90,6 +90,20 @@ def test_auto_recomputes_instead_of_swapping_out_when_the_cpu_could_not_keep_up(
     for _ in range(12):
         run_step(sched)
     assert sched.swap_out_blocks == 0 and not sched.cpu_running and sched.num_preemptions > 0
+
+
+def test_auto_offloads_only_where_the_host_adds_tokens_per_second():
+    """NEO's objective: a CPU decode of 0.5 ms fits the latency bound beside device decodes of 1 ms of dense work,
+    but slows the 5-10 of them by more than its own token adds, so the request is recomputed instead."""
+    for cpu_per_request, offloads in ((0.05e-3, True), (0.5e-3, False)):
+        model = perf(dense_fixed=1e-3, dense_per_token=0.0, cpu_per_token=0.0, cpu_per_request=cpu_per_request)
+        sched = make_scheduler("auto", gpu_blocks=12, model=model, cpu_latency_slack=2.0)
+        for i in range(10):
+            sched.add(request(i, prompt_len=3))
+        for _ in range(6):
+            run_step(sched)
+        assert (sched.swap_out_blocks > 0) == offloads, cpu_per_request
+        assert sched.num_preemptions > 0 or offloads
 
 
 def test_swap_in_when_room_returns_and_never_both_ways_in_one_iteration():
