@@ -8,7 +8,8 @@ several rounds and medians are reported, because memory bandwidth on shared mach
 
 Each timed kernel call reads a different copy of the KV cache (the copies together are 8x the LLC, as is
 the stream buffer), so no call finds its KV in cache; physical blocks are shuffled as in a long-running
-engine.
+engine. Both the KV copies and the stream buffer are allocated as the engine allocates its host pool (on
+transparent huge pages where the system allows them).
 
 Last line: `kv_read_GBps=<x> stream_read_GBps=<y> ratio=<x/y>`. `--sweep` also writes
 bench/results/kernel_sweep_<hostname>.csv over threads, batch, context and dtype.
@@ -32,6 +33,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from neo_backend import cpu_attention as ca  # noqa: E402
+from neo_backend.host_kv import huge_page_tensor  # noqa: E402
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 # Working sets are kept at >= 8x the LLC: a large LLC (300 MiB on the H200 host) otherwise keeps part of
@@ -65,8 +67,8 @@ class Case:
         copies = max(2, math.ceil(LLC_MULTIPLE * llc_bytes() / copy_bytes))
         num_blocks = copies * batch * blocks_per_seq
         shape = (num_blocks, block_size, hkv, head_dim)
-        self.k_cache = torch.randn(shape, generator=gen).to(dtype)
-        self.v_cache = torch.randn(shape, generator=gen).to(dtype)
+        self.k_cache = huge_page_tensor(shape, dtype).copy_(torch.randn(shape, generator=gen))
+        self.v_cache = huge_page_tensor(shape, dtype).copy_(torch.randn(shape, generator=gen))
         perm = torch.randperm(num_blocks, generator=gen).to(torch.int32)
         self.tables = [t.reshape(batch, blocks_per_seq).contiguous() for t in perm.chunk(copies)]
         self.context_lens = torch.full((batch,), context, dtype=torch.int32)
@@ -160,7 +162,7 @@ def main() -> int:
     if not err <= 1e-3:
         print("FAILED: kernel output disagrees with the reference", file=sys.stderr)
         return 1
-    buf = torch.ones(max(1 << 30, LLC_MULTIPLE * llc_bytes()) // 4, dtype=torch.float32)
+    buf = huge_page_tensor((max(1 << 30, LLC_MULTIPLE * llc_bytes()) // 4,), torch.float32).fill_(1.0)
     if args.sweep:
         sweep(buf, threads, max(3, args.rounds // 3),
               args.sweep_out or ROOT / "bench" / "results" / f"kernel_sweep_{socket.gethostname()}.csv")

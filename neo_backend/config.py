@@ -47,7 +47,7 @@ class EngineConfig:
     enforce_eager: bool = field(default=False, metadata={"help": "disable CUDA graphs for decode"})
     # NEO offload
     offload_policy: str = field(default="auto", metadata={"choices": OFFLOAD_POLICIES})
-    cpu_kv_cache_gb: float = field(default=4.0, metadata={"help": "host (pinned) KV pool size in GiB"})
+    cpu_kv_cache_gb: float = field(default=4.0, metadata={"help": "host KV pool size in GiB"})
     cpu_attention_threads: int | None = field(default=None, metadata={
         "help": "default: the cores this process may use, less one on CUDA (for the launching thread) or "
                 "less engine_cpu where that is set"})

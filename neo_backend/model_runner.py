@@ -65,7 +65,7 @@ class ModelRunner:
                             scratch_block=self.num_gpu_blocks, block_size=self.block_size)
 
     def _init_offload(self, config: EngineConfig, model_cfg: ModelConfig) -> None:
-        """The host side of NEO: pinned host pool, swapper, CPU attention and the pipelined executor."""
+        """The host side of NEO: host KV pool, swapper, CPU attention and the pipelined executor."""
         self.host_cache: HostKVCache | None = None
         self.swapper: BlockSwapper | None = None
         self.host_attention: HostAttention | None = None
@@ -82,8 +82,7 @@ class ModelRunner:
         num_cpu_blocks = int(config.cpu_kv_cache_gb * 2 ** 30) // self.block_bytes
         if num_cpu_blocks == 0:
             return
-        self.host_cache = HostKVCache(model_cfg, num_cpu_blocks, self.block_size, self.dtype,
-                                      pin=self.device.type == "cuda")
+        self.host_cache = HostKVCache(model_cfg, num_cpu_blocks, self.block_size, self.dtype)
         self.swapper = BlockSwapper(self.k_caches, self.v_caches, self.host_cache, self.device)
         self.host_attention = HostAttention(self.host_cache, model_cfg.head_dim ** -0.5, self.device,
                                             config.cpu_attention_threads, config.engine_cpu)

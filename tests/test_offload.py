@@ -3,10 +3,13 @@ from __future__ import annotations
 
 import os
 import threading
+from pathlib import Path
 
 import pytest
+import torch
 
 from neo_backend import EngineConfig, LLMEngine, cpu_attention
+from neo_backend.host_kv import HUGE_PAGE_BYTES, huge_page_tensor
 from neo_backend.streaming import StreamingEngine
 
 from test_generation import _collect, _mixed_requests, _outputs
@@ -145,3 +148,25 @@ def test_a_host_pool_smaller_than_the_profile_shapes_still_profiles(tiny_model_d
                      cache_dir=str(tmp_path))
     assert engine.runner.num_cpu_blocks == 3
     assert engine.perf_model.cpu_attention(4, 4 * 8) > 0
+
+
+def test_the_host_pool_asks_for_huge_pages():
+    """Whether Linux grants the huge pages depends on its free memory; that the pool asks for them does not."""
+    if not Path("/proc/self/smaps").exists():
+        pytest.skip("no /proc/self/smaps on this system")
+    pool = huge_page_tensor((32, 2 ** 20), torch.float16)
+    inside = -(-pool.data_ptr() // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
+    assert "hg" in _vm_flags(inside), "the pool's 2 MiB-aligned interior should be advised MADV_HUGEPAGE"
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping holding `address`, from /proc/self/smaps."""
+    found = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            low, high = (int(x, 16) for x in head.split("-"))
+            found = low <= address < high
+        elif found and head == "VmFlags:":
+            return line.split()[1:]
+    return []
