@@ -103,7 +103,7 @@ def main() -> int:
     for name, (default, title) in SCENARIOS.items():
         parser.add_argument(f"--serving-{name.split('_')[0]}", type=Path, default=default, dest=name,
                             help=f"serving.py JSON of {title}")
-    parser.add_argument("--roofline", type=Path, default=RESULTS / "h200_engine_roofline.json",
+    parser.add_argument("--roofline", type=Path, default=RESULTS / "h200_engine_roofline_session3.json",
                         help="bench/engine.py --roofline JSON")
     parser.add_argument("--hf-peer", type=Path, default=RESULTS / "h200_hf_peer.json", help="bench/hf_peer.py JSON")
     parser.add_argument("--out-dir", type=Path, default=RESULTS, help="where the PNGs and h200.json go")
