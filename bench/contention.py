@@ -3,9 +3,9 @@
 For each policy, a steady Poisson load (serving.py's trace and replay) runs through four windows: a warm-up
 (not reported), `quiet`, `contention` (one process per core copies a buffer larger than the LLC in a loop, taking
 CPU time and memory bandwidth; or, `--hog-kind compute`, only CPU time) and `recovery` (hogs killed). `auto`
-should notice the slow CPU work, stop offloading and keep its P99 TPOT; `always` cannot, and degrades. With `--engine-cpu` the hogs run on every core
-but that one, as where an operator keeps other workloads off the engine's CPU (cpusets); without it they share
-every core, the engine loop's too.
+should notice the slow CPU work, stop offloading and keep its P99 TPOT; `always` cannot, and degrades. With
+`--engine-cpu` the hogs run on every core but that one, as where an operator keeps other workloads off the
+engine's CPU (cpusets); without it they share every core, the engine loop's too.
 
     python bench/contention.py --gpu-memory-gb 24 --rate 6 --cpu-kv-cache-gb 32 --policies auto always never \\
         --warmup-seconds 8 --phase-seconds 12 --json contention.json
@@ -46,22 +46,24 @@ from neo_backend.streaming import StreamingEngine  # noqa: E402
 
 PHASES = ("quiet", "contention", "recovery")
 HOG_BUFFER_MIB = 64      # per memory hog, source and destination each: together well beyond any LLC
-HOG_CODE = {  # argv: the benchmark's pid (a hog ends by itself should the benchmark be killed), its CPUs
-    "memory": f"""
+
+
+def _hog_code(setup: str, work: str) -> str:
+    """A hog's program. argv: the benchmark's pid (a hog ends by itself should the benchmark be killed), its CPUs."""
+    return f"""
 import os, sys
-import numpy as np
 os.sched_setaffinity(0, {{int(cpu) for cpu in sys.argv[2].split(",")}})
-src = np.ones({HOG_BUFFER_MIB} << 17)
-dst = np.empty_like(src)
+{setup}
 while os.getppid() == int(sys.argv[1]):
-    np.copyto(dst, src)
-""",
-    "compute": """
-import os, sys
-os.sched_setaffinity(0, {int(cpu) for cpu in sys.argv[2].split(",")})
-while os.getppid() == int(sys.argv[1]):
-    sum(range(100_000))
-"""}
+    {work}
+"""
+
+
+HOG_CODE = {
+    "memory": _hog_code(f"import numpy as np\nsrc = np.ones({HOG_BUFFER_MIB} << 17)\ndst = np.empty_like(src)",
+                        "np.copyto(dst, src)"),
+    "compute": _hog_code("", "sum(range(100_000))"),
+}
 SAMPLE_INTERVAL_S = 0.5
 MIN_GAPS = 4             # a request with fewer inter-token gaps in a window gives no TPOT sample there
 COUNTERS = ("generation_tokens", "cpu_decode_tokens", "preemptions", "swap_out_blocks", "swap_in_blocks")
