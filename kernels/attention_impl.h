@@ -176,7 +176,7 @@ struct Kernel {
     const KT* V = static_cast<const KT*>(P.v_cache);
     const int G = P.Hq / P.Hkv;
     const size_t row = size_t(P.Hkv) * D;           // elements from one token to the next
-    const size_t blk = size_t(P.block_size) * row;  // elements per physical block
+    const size_t blk = P.block_stride;
     const int32_t* bt = P.block_tables + size_t(it.seq) * P.max_blocks;
     const int ctx = P.context_lens[it.seq];
     const int nh = it.h_end - it.h_begin;
