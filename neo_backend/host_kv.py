@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -63,14 +64,15 @@ def host_kv_buffer(num_blocks: int, block_size: int, num_kv_heads: int, head_dim
 
 def huge_page_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialized host tensor that asks Linux for transparent huge pages before its first touch (where
-    the system's THP mode is `never`, or off Linux, it gets ordinary pages). Left untouched, it takes memory
-    only as blocks are first written, like any large allocation."""
-    tensor = torch.empty(shape, dtype=dtype)
-    begin = -(-tensor.data_ptr() // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
-    end = (tensor.data_ptr() + tensor.nbytes) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
-    if sys.platform == "linux" and end > begin:
-        ctypes.CDLL(None).madvise(ctypes.c_void_p(begin), ctypes.c_size_t(end - begin), MADV_HUGEPAGE)
-    return tensor
+    the system's THP mode is `never`, or off Linux, it gets ordinary pages). It starts on a 2 MiB boundary, so
+    all of it can be huge pages and each KV block starts on a page. Left untouched, it takes memory only as
+    blocks are first written, like any large allocation."""
+    nbytes = -(-math.prod(shape) * dtype.itemsize // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
+    raw = torch.empty(nbytes + HUGE_PAGE_BYTES, dtype=torch.uint8)
+    offset = -raw.data_ptr() % HUGE_PAGE_BYTES
+    if sys.platform == "linux" and nbytes:
+        ctypes.CDLL(None).madvise(ctypes.c_void_p(raw.data_ptr() + offset), ctypes.c_size_t(nbytes), MADV_HUGEPAGE)
+    return raw[offset:offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
 
 
 def transparent_huge_page_mode() -> str:

@@ -154,9 +154,10 @@ def test_the_host_pool_asks_for_huge_pages():
     """Whether Linux grants the huge pages depends on its free memory; that the pool asks for them does not."""
     if not Path("/proc/self/smaps").exists():
         pytest.skip("no /proc/self/smaps on this system")
-    pool = huge_page_tensor((32, 2 ** 20), torch.float16)
-    inside = -(-pool.data_ptr() // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
-    assert "hg" in _vm_flags(inside), "the pool's 2 MiB-aligned interior should be advised MADV_HUGEPAGE"
+    pool = huge_page_tensor((32, 2 ** 20 + 1), torch.float16)
+    assert pool.data_ptr() % HUGE_PAGE_BYTES == 0 and pool.is_contiguous()
+    for address in (pool.data_ptr(), pool[-1, -1].data_ptr()):
+        assert "hg" in _vm_flags(address), "the whole pool should be advised MADV_HUGEPAGE"
 
 
 def _vm_flags(address: int) -> list[str]:
