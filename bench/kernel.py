@@ -8,8 +8,8 @@ several rounds and medians are reported, because memory bandwidth on shared mach
 
 Each timed kernel call reads a different copy of the KV cache (the copies together are 8x the LLC, as is
 the stream buffer), so no call finds its KV in cache; physical blocks are shuffled as in a long-running
-engine. The KV copies are laid out as the engine's host pool (one buffer, each block's K then its V) and, like
-the stream buffer, allocated as the pool is (on transparent huge pages where the system allows them).
+engine. Both the KV copies and the stream buffer are allocated as the engine allocates its host pool (on
+transparent huge pages where the system allows them).
 
 Last line: `kv_read_GBps=<x> stream_read_GBps=<y> ratio=<x/y>`. `--sweep` also writes
 bench/results/kernel_sweep_<hostname>.csv over threads, batch, context and dtype.
@@ -33,7 +33,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from neo_backend import cpu_attention as ca  # noqa: E402
-from neo_backend.host_kv import host_kv_buffer, huge_page_tensor  # noqa: E402
+from neo_backend.host_kv import huge_page_tensor  # noqa: E402
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 # Working sets are kept at >= 8x the LLC: a large LLC (300 MiB on the H200 host) otherwise keeps part of
@@ -66,9 +66,9 @@ class Case:
         copy_bytes = 2 * batch * blocks_per_seq * block_size * hkv * head_dim * elt
         copies = max(2, math.ceil(LLC_MULTIPLE * llc_bytes() / copy_bytes))
         num_blocks = copies * batch * blocks_per_seq
-        kv = host_kv_buffer(num_blocks, block_size, hkv, head_dim, dtype)
-        kv.copy_(torch.randn(kv.shape, generator=gen))
-        self.k_cache, self.v_cache = kv[:, 0], kv[:, 1]
+        shape = (num_blocks, block_size, hkv, head_dim)
+        self.k_cache = huge_page_tensor(shape, dtype).copy_(torch.randn(shape, generator=gen))
+        self.v_cache = huge_page_tensor(shape, dtype).copy_(torch.randn(shape, generator=gen))
         perm = torch.randperm(num_blocks, generator=gen).to(torch.int32)
         self.tables = [t.reshape(batch, blocks_per_seq).contiguous() for t in perm.chunk(copies)]
         self.context_lens = torch.full((batch,), context, dtype=torch.int32)

@@ -19,7 +19,7 @@ struct BF16 { uint16_t bits; };
 struct AttnParams {
   const void* q;              // [B, Hq, D], dtype q_dtype (also the output dtype)
   int q_dtype;
-  const void* k_cache;        // [num_blocks, block_size, Hkv, D], dtype kv_dtype, blocks block_stride apart
+  const void* k_cache;        // [num_blocks, block_size, Hkv, D], dtype kv_dtype
   const void* v_cache;
   int kv_dtype;
   const int32_t* block_tables;  // [B, max_blocks]
@@ -27,7 +27,6 @@ struct AttnParams {
   void* out;                  // [B, Hq, D], dtype q_dtype
   int B, Hq, Hkv, D, block_size, max_blocks;
   float scale;
-  size_t block_stride;        // elements from one block to the next (>= block_size * Hkv * D)
 };
 
 // One unit of parallel work: KV heads [h_begin, h_end) of blocks [blk_begin, blk_end) of one sequence.

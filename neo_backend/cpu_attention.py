@@ -27,7 +27,7 @@ from .errors import KernelError, KernelInputError
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 ISAS = ("scalar", "avx2", "avx512")  # index = the library's ISA code
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-_ABI_VERSION = 3
+_ABI_VERSION = 2
 _STATUS = {1: "unsupported dtype or head_dim", 2: "out of memory", 3: "invalid argument"}
 
 _lock = threading.Lock()
@@ -53,17 +53,17 @@ def _library() -> ctypes.CDLL:
             if lib.neo_abi_version() != _ABI_VERSION:
                 raise KernelError(f"{path} has ABI {lib.neo_abi_version()}, this binding needs {_ABI_VERSION}; "
                                   "rebuild with `python -m neo_backend build-kernel --force`")
-            p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-            lib.neo_paged_attention.argtypes = [p, i, p, p, i, p, p, p, i, i, i, i, i, i64, i, ctypes.c_float, i, i]
+            p, i = ctypes.c_void_p, ctypes.c_int
+            lib.neo_paged_attention.argtypes = [p, i, p, p, i, p, p, p, i, i, i, i, i, i, ctypes.c_float, i, i]
             lib.neo_paged_attention.restype = i
-            lib.neo_append_kv.argtypes = [p, p, p, p, p, i, i, i, i, i, i64]
+            lib.neo_append_kv.argtypes = [p, p, p, p, p, i, ctypes.c_size_t]
             lib.neo_append_kv.restype = i
             lib.neo_stream_read.argtypes = [p, ctypes.c_size_t, i]
             lib.neo_stream_read.restype = ctypes.c_double
             lib.neo_set_isa.argtypes = [i]
             lib.neo_wait_flag.argtypes = [p, ctypes.c_int64, ctypes.c_double, ctypes.c_double]
             lib.neo_wait_flag.restype = i
-            lib.neo_decode_iteration.argtypes = [p, i, i, i, i, i, i, i, i64, ctypes.c_float, i, ctypes.c_double,
+            lib.neo_decode_iteration.argtypes = [p, i, i, i, i, i, i, i, ctypes.c_float, i, ctypes.c_double,
                                                  ctypes.c_double, p]
             lib.neo_decode_iteration.restype = i
             _lib = lib
@@ -108,7 +108,7 @@ def set_isa(name: str | None) -> None:
         raise KernelInputError(f"ISA {name!r} is not supported by this CPU (best: {best_isa()})")
 
 
-def _check(name: str, t: object, ndim: int, dtypes: tuple[torch.dtype, ...], contiguous: bool = True) -> torch.Tensor:
+def _check(name: str, t: object, ndim: int, dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise KernelInputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.device.type != "cpu":
@@ -117,7 +117,7 @@ def _check(name: str, t: object, ndim: int, dtypes: tuple[torch.dtype, ...], con
         raise KernelInputError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
     if t.dtype not in dtypes:
         raise KernelInputError(f"{name} has dtype {t.dtype}; expected one of {[str(d) for d in dtypes]}")
-    if contiguous and not t.is_contiguous():
+    if not t.is_contiguous():
         raise KernelInputError(f"{name} must be contiguous (call .contiguous()); got strides {t.stride()}")
     return t
 
@@ -127,27 +127,17 @@ def _check_shape(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
         raise KernelInputError(f"{name} has shape {tuple(t.shape)}, expected {shape}")
 
 
-def _check_caches(k_cache: object, v_cache: object) -> tuple[int, int, int, int, int]:
-    """Returns (num_blocks, block_size, Hkv, D, block_stride). Each block must be contiguous; blocks may lie
-    further apart than their size (block_stride, in elements), as in the host pool, whose K and V caches are
-    views into one buffer holding each block's K then its V."""
+def _check_caches(k_cache: object, v_cache: object) -> tuple[int, int, int, int]:
     kv_dtypes = tuple(_DTYPE_CODES)
-    _check("k_cache", k_cache, 4, kv_dtypes, contiguous=False)
-    _check("v_cache", v_cache, 4, kv_dtypes, contiguous=False)
+    _check("k_cache", k_cache, 4, kv_dtypes)
+    _check("v_cache", v_cache, 4, kv_dtypes)
     if v_cache.dtype != k_cache.dtype:
         raise KernelInputError(f"v_cache dtype {v_cache.dtype} differs from k_cache dtype {k_cache.dtype}")
     _check_shape("v_cache", v_cache, tuple(k_cache.shape))
     num_blocks, block_size, hkv, d = k_cache.shape
     if block_size < 1 or hkv < 1:
         raise KernelInputError(f"k_cache shape {tuple(k_cache.shape)} has an empty block or head dimension")
-    block_elems = block_size * hkv * d
-    block_stride = k_cache.stride(0) if num_blocks > 1 else block_elems
-    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if num_blocks and not cache[0].is_contiguous() or num_blocks > 1 and cache.stride(0) != block_stride \
-                or block_stride < block_elems:
-            raise KernelInputError(f"{name} has strides {cache.stride()}; each block must be contiguous, and both "
-                                   f"caches must share one block stride >= {block_elems} (call .contiguous())")
-    return num_blocks, block_size, hkv, d, block_stride
+    return num_blocks, block_size, hkv, d
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -172,8 +162,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     status = _library().neo_paged_attention(
         q.data_ptr(), _DTYPE_CODES[q.dtype], k_cache.data_ptr(), v_cache.data_ptr(), _DTYPE_CODES[k_cache.dtype],
         block_tables.data_ptr(), context_lens.data_ptr(), out.data_ptr(), shape.batch, shape.q_heads, shape.kv_heads,
-        shape.head_dim, shape.block_size, shape.block_stride, shape.max_blocks, float(scale), threads,
-        int(bool(split_long)))
+        shape.head_dim, shape.block_size, shape.max_blocks, float(scale), threads, int(bool(split_long)))
     if status != 0:
         raise KernelError(f"paged_decode_attention failed in the library: {_STATUS.get(status, status)}")
     return out
@@ -186,13 +175,12 @@ class _AttentionShape:
     kv_heads: int
     head_dim: int
     block_size: int
-    block_stride: int
     max_blocks: int
 
 
 def _check_attention(q: object, k_cache: object, v_cache: object, block_tables: object, context_lens: object,
                      scale: object, out: object) -> _AttentionShape:
-    num_blocks, block_size, hkv, d, block_stride = _check_caches(k_cache, v_cache)
+    num_blocks, block_size, hkv, d = _check_caches(k_cache, v_cache)
     if d not in SUPPORTED_HEAD_DIMS:
         raise KernelInputError(f"head_dim {d} is not supported; supported: {SUPPORTED_HEAD_DIMS}")
     _check("q", q, 3, (k_cache.dtype, torch.float32))
@@ -211,7 +199,7 @@ def _check_attention(q: object, k_cache: object, v_cache: object, block_tables: 
         raise KernelInputError(f"scale must be a finite float, got {scale!r}")
     if b:
         _check_block_tables(block_tables, context_lens, block_size, num_blocks)
-    return _AttentionShape(b, hq, hkv, d, block_size, block_stride, max_blocks)
+    return _AttentionShape(b, hq, hkv, d, block_size, max_blocks)
 
 
 def _check_block_tables(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
@@ -235,18 +223,14 @@ def _check_block_tables(block_tables: torch.Tensor, context_lens: torch.Tensor, 
 def append_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
               slot_mapping: torch.Tensor) -> None:
     """Writes each sequence's new token k/v [B, Hkv, D] at slot = block_id * block_size + offset."""
-    _, block_size, hkv, d, block_stride = _check_append(k, v, k_cache, v_cache, slot_mapping)
-    if k.shape[0] and _library().neo_append_kv(k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                                               slot_mapping.data_ptr(), k.shape[0], _DTYPE_CODES[k.dtype], hkv, d,
-                                               block_size, block_stride):
-        raise KernelError("append_kv failed in the library: invalid argument")
+    _check_append(k, v, k_cache, v_cache, slot_mapping)
+    if k.shape[0]:
+        _library().neo_append_kv(k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                                 slot_mapping.data_ptr(), k.shape[0], k.shape[1] * k.shape[2] * k.element_size())
 
 
-def _check_append(k: object, v: object, k_cache: object, v_cache: object,
-                  slot_mapping: object) -> tuple[int, int, int, int, int]:
-    """Returns the caches' layout (see `_check_caches`)."""
-    layout = _check_caches(k_cache, v_cache)
-    num_blocks, block_size, hkv, d, _ = layout
+def _check_append(k: object, v: object, k_cache: object, v_cache: object, slot_mapping: object) -> None:
+    num_blocks, block_size, hkv, d = _check_caches(k_cache, v_cache)
     _check("k", k, 3, (k_cache.dtype,))
     b = k.shape[0]
     _check_shape("k", k, (b, hkv, d))
@@ -255,13 +239,12 @@ def _check_append(k: object, v: object, k_cache: object, v_cache: object,
     _check("slot_mapping", slot_mapping, 1, (torch.int64,))
     _check_shape("slot_mapping", slot_mapping, (b,))
     if b == 0:
-        return layout
+        return
     slots = slot_mapping.numpy()
     lo, hi = int(slots.min()), int(slots.max())
     if lo < 0 or hi >= num_blocks * block_size:
         raise KernelInputError(f"slot_mapping holds slot {lo if lo < 0 else hi}, outside the cache's "
                                f"[0, {num_blocks * block_size})")
-    return layout
 
 
 # How long a hand-off waiter spins before it polls: through any wait of an iteration. Only for waiters with a
@@ -361,9 +344,10 @@ def decode_iteration(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
     if len(v_caches) != num_layers or not lanes:
         raise KernelInputError(f"need one v cache per k cache and at least one lane; got {num_layers} k, "
                                f"{len(v_caches)} v caches and {len(lanes)} lanes")
-    layer0 = (k_caches[0].shape, k_caches[0].dtype, k_caches[0].stride())
-    if any((cache.shape, cache.dtype, cache.stride()) != layer0 for cache in k_caches + v_caches):
-        raise KernelInputError("every layer's k/v caches must have layer 0's shape, dtype and strides")
+    for k_cache, v_cache in zip(k_caches, v_caches):
+        if k_cache.shape != k_caches[0].shape or v_cache.shape != k_cache.shape or k_cache.dtype != k_caches[0].dtype \
+                or v_cache.dtype != k_cache.dtype or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            raise KernelInputError("every layer's k/v caches must be contiguous with layer 0's shape and dtype")
     shapes = []
     for lane in lanes:
         shapes.append(_check_attention(lane.q, k_caches[0], v_caches[0], lane.block_tables, lane.context_lens,
@@ -394,8 +378,8 @@ def decode_iteration(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
     first = shapes[0]
     status = _library().neo_decode_iteration(
         table.ctypes.data, num_steps, _DTYPE_CODES[lanes[0].q.dtype], _DTYPE_CODES[k_caches[0].dtype], first.q_heads,
-        first.kv_heads, first.head_dim, first.block_size, first.block_stride, float(scale), _thread_count(num_threads),
-        done.spin_s, float(timeout_s), seconds.ctypes.data)
+        first.kv_heads, first.head_dim, first.block_size, float(scale), _thread_count(num_threads), done.spin_s,
+        float(timeout_s), seconds.ctypes.data)
     if status not in (0, _ABANDONED):
         reason = _HAND_OFF_STATUS.get(status) or _STATUS.get(status, status)
         raise KernelError(f"decode_iteration failed in the library: {reason}")

@@ -47,12 +47,6 @@ def make_case(seed: int, lens: list[int], block_size: int, hq: int, hkv: int, d:
     return q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32)
 
 
-def interleave(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same caches as views into one buffer holding each block's K then its V (the host pool's layout)."""
-    kv = torch.stack((k_cache, v_cache), dim=1)
-    return kv[:, 0], kv[:, 1]
-
-
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """Largest per-row (batch, head) error relative to that row's largest reference magnitude."""
     return float(((out.double() - ref).abs().amax(-1) / ref.abs().amax(-1)).max())
@@ -177,19 +171,6 @@ def test_append_then_attend():
     assert rel_err(run(*case), reference(*case)) <= 1e-3
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
-def test_caches_interleaved_in_one_buffer(kv_dtype):
-    q, k_cache, v_cache, tables, lens = make_case(14, ragged_lens(14), 16, 16, 4, 128, kv_dtype)
-    k_view, v_view = interleave(k_cache, v_cache)
-    assert k_view.stride(0) == 2 * k_cache[0].numel()
-    assert torch.equal(run(q, k_view, v_view, tables, lens), run(q, k_cache, v_cache, tables, lens))
-    k_new, v_new = torch.randn(2, 4, 128).to(kv_dtype), torch.randn(2, 4, 128).to(kv_dtype)
-    slots = torch.tensor([int(tables[0, 0]) * 16 + 3, int(tables[1, 1]) * 16 + 15])
-    for k, v in ((k_view, v_view), (k_cache, v_cache)):
-        ca.append_kv(k_new, v_new, k, v, slots)
-    assert torch.equal(k_view, k_cache) and torch.equal(v_view, v_cache)
-
-
 # --- bad input: KernelInputError before any C code runs -------------------------------------------------
 
 def good_args():
@@ -210,9 +191,6 @@ BAD_ATTENTION_INPUTS = {
     "k/v dtype mismatch": lambda a: a.update(v_cache=a["v_cache"].float()),
     "k/v shape mismatch": lambda a: a.update(v_cache=a["v_cache"][:-1].contiguous()),
     "cache not contiguous": lambda a: a.update(k_cache=a["k_cache"].transpose(1, 2).contiguous().transpose(1, 2)),
-    "k/v block strides differ": lambda a: a.update(v_cache=interleave(a["v_cache"], a["v_cache"])[1]),
-    "blocks overlap": lambda a: a.update(k_cache=a["k_cache"].as_strided(a["k_cache"].shape, (64, 128, 64, 1)),
-                                         v_cache=a["v_cache"].as_strided(a["v_cache"].shape, (64, 128, 64, 1))),
     "unsupported head_dim": lambda a: a.update(q=a["q"][..., :48].contiguous(),
                                                k_cache=a["k_cache"][..., :48].contiguous(),
                                                v_cache=a["v_cache"][..., :48].contiguous()),
@@ -269,7 +247,6 @@ BAD_APPEND_INPUTS = {
     "v heads mismatch": lambda a: a.update(v=torch.ones(3, 1, 64, dtype=torch.float16)),
     "k not contiguous": lambda a: a.update(k=torch.ones(64, 2, 3, dtype=torch.float16).transpose(0, 2)),
     "v_cache dtype": lambda a: a.update(v_cache=a["v_cache"].float()),
-    "k/v block strides differ": lambda a: a.update(k_cache=interleave(a["k_cache"], a["v_cache"])[0]),
 }
 
 
@@ -321,11 +298,10 @@ def test_python_thread_progresses_during_a_kernel_call():
 # --- decode_iteration: the pipeline's whole-iteration loop ----------------------------------------------
 
 def iteration_case(num_layers: int = 3):
-    """Two lanes (sequences 0-1 and 2 of one case) over `num_layers` layers' caches of the same shape, laid out
-    as the host pool's; each lane's new token goes to the slot after its context."""
-    lanes, caches = [], [interleave(*make_case(20 + layer, [25, 40, 9], 16, 8, 2, 64, torch.bfloat16,
-                                               q_dtype=torch.bfloat16, spare_blocks=12)[1:3])
-                         for layer in range(num_layers)]
+    """Two lanes (sequences 0-1 and 2 of one case) over `num_layers` layers' caches of the same shape; each
+    lane's new token goes to the slot after its context."""
+    lanes, caches = [], [make_case(20 + layer, [25, 40, 9], 16, 8, 2, 64, torch.bfloat16, q_dtype=torch.bfloat16,
+                                   spare_blocks=12)[1:3] for layer in range(num_layers)]
     k_caches, v_caches = [c[0] for c in caches], [c[1] for c in caches]
     for lane_rows, seed in (([0, 1], 1), ([2], 2)):
         q, _, _, tables, lens = make_case(20, [25, 40, 9], 16, 8, 2, 64, torch.bfloat16, q_dtype=torch.bfloat16,
@@ -378,8 +354,6 @@ def test_decode_iteration_bad_input_raises_before_c(monkeypatch):
         "a layer without a v cache": lambda: ca.decode_iteration(k_caches, v_caches[:2], lanes, done, 0.125, 30),
         "a layer's cache of another shape": lambda: ca.decode_iteration(
             k_caches[:2] + [k_caches[2][:-1].contiguous()], v_caches, lanes, done, 0.125, 30),
-        "a layer's cache with other strides": lambda: ca.decode_iteration(
-            k_caches[:2] + [k_caches[2].contiguous()], v_caches, lanes, done, 0.125, 30),
         "lanes with different q dtypes": lambda: ca.decode_iteration(k_caches, v_caches, [lanes[0], fp32_lane], done,
                                                                      0.125, 30),
         "too few done flags": lambda: ca.decode_iteration(k_caches, v_caches, lanes, too_few, 0.125, 30),
