@@ -11,11 +11,13 @@ Run `python -m neo_backend build-kernel` to compile the library ahead of first u
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import math
 import os
 import pathlib
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,34 +42,53 @@ def build(force: bool = False) -> pathlib.Path:
     return kernel_build.build(force)
 
 
+def load_library(path: pathlib.Path) -> ctypes.CDLL:
+    """Loads a build of the library, checks its ABI and declares its functions."""
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        raise KernelError(f"cannot load {path}: {e}; rebuild with "
+                          "`python -m neo_backend build-kernel --force`") from e
+    if lib.neo_abi_version() != _ABI_VERSION:
+        raise KernelError(f"{path} has ABI {lib.neo_abi_version()}, this binding needs {_ABI_VERSION}; "
+                          "rebuild with `python -m neo_backend build-kernel --force`")
+    p, i = ctypes.c_void_p, ctypes.c_int
+    lib.neo_paged_attention.argtypes = [p, i, p, p, i, p, p, p, i, i, i, i, i, i, ctypes.c_float, i, i]
+    lib.neo_paged_attention.restype = i
+    lib.neo_append_kv.argtypes = [p, p, p, p, p, i, ctypes.c_size_t]
+    lib.neo_append_kv.restype = i
+    lib.neo_stream_read.argtypes = [p, ctypes.c_size_t, i]
+    lib.neo_stream_read.restype = ctypes.c_double
+    lib.neo_set_isa.argtypes = [i]
+    lib.neo_wait_flag.argtypes = [p, ctypes.c_int64, ctypes.c_double, ctypes.c_double]
+    lib.neo_wait_flag.restype = i
+    lib.neo_decode_iteration.argtypes = [p, i, i, i, i, i, i, i, ctypes.c_float, i, ctypes.c_double,
+                                         ctypes.c_double, p]
+    lib.neo_decode_iteration.restype = i
+    return lib
+
+
 def _library() -> ctypes.CDLL:
     global _lib
     with _lock:
         if _lib is None:
-            path = build()
-            try:
-                lib = ctypes.CDLL(str(path))
-            except OSError as e:
-                raise KernelError(f"cannot load {path}: {e}; rebuild with "
-                                  "`python -m neo_backend build-kernel --force`") from e
-            if lib.neo_abi_version() != _ABI_VERSION:
-                raise KernelError(f"{path} has ABI {lib.neo_abi_version()}, this binding needs {_ABI_VERSION}; "
-                                  "rebuild with `python -m neo_backend build-kernel --force`")
-            p, i = ctypes.c_void_p, ctypes.c_int
-            lib.neo_paged_attention.argtypes = [p, i, p, p, i, p, p, p, i, i, i, i, i, i, ctypes.c_float, i, i]
-            lib.neo_paged_attention.restype = i
-            lib.neo_append_kv.argtypes = [p, p, p, p, p, i, ctypes.c_size_t]
-            lib.neo_append_kv.restype = i
-            lib.neo_stream_read.argtypes = [p, ctypes.c_size_t, i]
-            lib.neo_stream_read.restype = ctypes.c_double
-            lib.neo_set_isa.argtypes = [i]
-            lib.neo_wait_flag.argtypes = [p, ctypes.c_int64, ctypes.c_double, ctypes.c_double]
-            lib.neo_wait_flag.restype = i
-            lib.neo_decode_iteration.argtypes = [p, i, i, i, i, i, i, i, ctypes.c_float, i, ctypes.c_double,
-                                                 ctypes.c_double, p]
-            lib.neo_decode_iteration.restype = i
-            _lib = lib
+            _lib = load_library(build())
         return _lib
+
+
+@contextlib.contextmanager
+def using_library(lib: ctypes.CDLL) -> Iterator[None]:
+    """This module's calls go to `lib` (another build, from `load_library`) inside the block, to compare builds
+    call by call (bench/kernel_ab.py). Not for use while other threads call the kernels."""
+    global _lib
+    previous = _library()
+    with _lock:
+        _lib = lib
+    try:
+        yield
+    finally:
+        with _lock:
+            _lib = previous
 
 
 def set_num_threads(n: int) -> None:

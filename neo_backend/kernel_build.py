@@ -35,11 +35,11 @@ def cache_root() -> pathlib.Path:
     return pathlib.Path(env) if env else pathlib.Path.home() / ".cache" / "neo-triton" / "kernels"
 
 
-def _sources() -> list[pathlib.Path]:
-    if not (KERNEL_DIR / MAIN_SOURCE).is_file():
-        raise KernelError(f"kernel source {KERNEL_DIR / MAIN_SOURCE} is missing; run from a full checkout "
+def _sources(kernel_dir: pathlib.Path) -> list[pathlib.Path]:
+    if not (kernel_dir / MAIN_SOURCE).is_file():
+        raise KernelError(f"kernel source {kernel_dir / MAIN_SOURCE} is missing; run from a full checkout "
                           "of neo-triton (the kernels/ folder ships next to neo_backend/)")
-    return sorted(p for p in KERNEL_DIR.iterdir() if p.suffix in (".cpp", ".h"))
+    return sorted(p for p in kernel_dir.iterdir() if p.suffix in (".cpp", ".h"))
 
 
 def _compiler_identity(cxx: str) -> str:
@@ -65,19 +65,20 @@ def cpu_flags() -> str:
     return ""
 
 
-def build_key() -> str:
+def build_key(kernel_dir: pathlib.Path = KERNEL_DIR) -> str:
     cxx = compiler()
     h = hashlib.sha256()
-    for src in _sources():
+    for src in _sources(kernel_dir):
         h.update(src.name.encode() + b"\0" + src.read_bytes() + b"\0")
     for part in (_compiler_identity(cxx), " ".join(FLAGS), cpu_flags()):
         h.update(part.encode() + b"\0")
     return h.hexdigest()[:24]
 
 
-def build(force: bool = False) -> pathlib.Path:
-    """Compiles the library if this key has no build yet (or `force`), and returns the .so path."""
-    out_dir = cache_root() / build_key()
+def build(force: bool = False, kernel_dir: pathlib.Path = KERNEL_DIR) -> pathlib.Path:
+    """Compiles the library if this key has no build yet (or `force`), and returns the .so path. `kernel_dir`:
+    another copy of `kernels/` (bench/kernel_ab.py builds past revisions)."""
+    out_dir = cache_root() / build_key(kernel_dir)
     lib = out_dir / LIB_NAME
     if lib.is_file() and not force:
         return lib
@@ -88,7 +89,7 @@ def build(force: bool = False) -> pathlib.Path:
     except OSError as e:
         raise KernelError(f"cannot write the kernel cache {out_dir}: {e}; set NEO_KERNEL_CACHE to a "
                           "writable folder") from e
-    cmd = [compiler(), *FLAGS, "-o", tmp, str(KERNEL_DIR / MAIN_SOURCE)]
+    cmd = [compiler(), *FLAGS, "-o", tmp, str(kernel_dir / MAIN_SOURCE)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         if proc.returncode != 0:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import shutil
 import threading
 import time
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from neo_backend import cpu_attention as ca
+from neo_backend import kernel_build
 from neo_backend.errors import KernelInputError
 
 pytestmark = pytest.mark.timeout(120)
@@ -361,3 +363,22 @@ def test_decode_iteration_bad_input_raises_before_c(monkeypatch):
     for name, call in calls.items():
         with pytest.raises(KernelInputError):
             call()
+
+
+# --- another build of the library (bench/kernel_ab.py) ---------------------------------------------------
+
+def test_a_copy_of_the_sources_builds_apart_and_serves_calls_inside_using_library(tmp_path, monkeypatch):
+    monkeypatch.setenv("NEO_KERNEL_CACHE", str(tmp_path / "cache"))
+    copy = tmp_path / "kernels"
+    shutil.copytree(kernel_build.KERNEL_DIR, copy)
+    assert kernel_build.build_key(copy) == kernel_build.build_key()
+    main = copy / kernel_build.MAIN_SOURCE
+    main.write_text(main.read_text().replace("int neo_max_isa(void) { return g_max_isa; }",
+                                             "int neo_max_isa(void) { return 0; }"))
+    assert kernel_build.build_key(copy) != kernel_build.build_key()
+    other = ca.load_library(kernel_build.build(kernel_dir=copy))
+    case = make_case(15, [40, 3], 16, 8, 2, 64, torch.float32)
+    with ca.using_library(other):
+        assert ca.best_isa() == "scalar"
+        assert rel_err(run(*case), reference(*case)) <= 1e-5
+    assert ca._library() is not other
