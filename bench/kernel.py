@@ -93,6 +93,14 @@ class Case:
         return float(((out.double() - ref).abs().amax(-1) / ref.abs().amax(-1)).max())
 
 
+BENCH_SHAPE = "B=32 ctx=1024 Hq=32 Hkv=8 D=128 fp16 block=16"
+
+
+def bench_case() -> Case:
+    """The issue's fixed shape (BENCH_SHAPE)."""
+    return Case(batch=32, context=1024, hq=32, hkv=8, head_dim=128, dtype=torch.float16, block_size=16)
+
+
 def kernel_gbps(case: Case, threads: int, reps: int) -> float:
     times = []
     for _ in range(reps):
@@ -156,7 +164,7 @@ def main() -> int:
     print(f"library {lib}; SIMD path {ca.active_isa()}; threads {threads}; host {socket.gethostname()}; "
           f"torch {torch.__version__}; LLC {llc_bytes() >> 20} MiB; load average {os.getloadavg()[0]:.2f}",
           flush=True)
-    case = Case(batch=32, context=1024, hq=32, hkv=8, head_dim=128, dtype=torch.float16, block_size=16)
+    case = bench_case()
     err = case.check(threads)
     print(f"check vs float64 reference: max rel err {err:.2e}", flush=True)
     if not err <= 1e-3:
@@ -167,7 +175,7 @@ def main() -> int:
         sweep(buf, threads, max(3, args.rounds // 3),
               args.sweep_out or ROOT / "bench" / "results" / f"kernel_sweep_{socket.gethostname()}.csv")
     kv, st = measure(case, buf, threads, args.rounds, reps=7)
-    print(f"B=32 ctx=1024 Hq=32 Hkv=8 D=128 fp16 block=16: {case.kv_bytes / 2**20:.0f} MiB KV per call, "
+    print(f"{BENCH_SHAPE}: {case.kv_bytes / 2**20:.0f} MiB KV per call, "
           f"{case.kv_bytes / kv / 1e6:.2f} ms per call (median of {args.rounds} rounds); "
           f"load average {os.getloadavg()[0]:.2f}")
     print(f"kv_read_GBps={kv:.2f} stream_read_GBps={st:.2f} ratio={kv / st:.3f}")

@@ -11,6 +11,7 @@ Dependencies: torch, git, tar and the standard library.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import pathlib
 import statistics
 import subprocess
@@ -18,13 +19,11 @@ import sys
 import tempfile
 import time
 
-import torch
-
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from kernel import Case  # noqa: E402
+from kernel import BENCH_SHAPE, Case, bench_case  # noqa: E402
 from neo_backend import cpu_attention as ca  # noqa: E402
 from neo_backend import kernel_build  # noqa: E402
 
@@ -43,7 +42,7 @@ def kernel_dir_at(rev: str, scratch: pathlib.Path) -> pathlib.Path:
     return target / "kernels"
 
 
-def timed_call(case: Case, lib, threads: int, table: int) -> float:
+def timed_call(case: Case, lib: ctypes.CDLL, threads: int, table: int) -> float:
     with ca.using_library(lib):
         start = time.perf_counter()
         case.run(threads, table)
@@ -63,7 +62,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as scratch:
         libs = [ca.load_library(kernel_build.build(kernel_dir=kernel_dir_at(rev, pathlib.Path(scratch))))
                 for rev in (args.rev_a, args.rev_b)]
-    case = Case(batch=32, context=1024, hq=32, hkv=8, head_dim=128, dtype=torch.float16, block_size=16)
+    case = bench_case()
     for lib in libs * 2:  # warm-up: thread teams, page faults
         timed_call(case, lib, threads, 0)
     ratios, speeds = [], ([], [])
@@ -75,7 +74,7 @@ def main() -> int:
         for i in (0, 1):
             speeds[i].append(case.kv_bytes / seconds[i] / 1e9)
     q1, median, q3 = statistics.quantiles(ratios, n=4)
-    print(f"B=32 ctx=1024 Hq=32 Hkv=8 D=128 fp16 block=16, {threads} threads, {args.pairs} pairs: "
+    print(f"{BENCH_SHAPE}, {threads} threads, {args.pairs} pairs: "
           f"A ({args.rev_a}) {statistics.median(speeds[0]):.2f} GB/s, B ({args.rev_b}) "
           f"{statistics.median(speeds[1]):.2f} GB/s (medians)")
     print(f"speed_B_over_A={median:.3f} quartiles={q1:.3f}-{q3:.3f}")
