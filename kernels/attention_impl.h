@@ -5,8 +5,10 @@
 //   1. scores: TU tokens at a time, GS x TU dot products accumulated lane-wise in registers (no
 //      horizontal sum per dot product); the per-token partial vectors are then reduced W at a time by
 //      a transpose-add tree.
-//   2. online softmax: the block's max and exp are computed for all its tokens at once; the running
-//      max/sum (m, l) and the accumulator are rescaled only when the max grows.
+//   2. online softmax: the block's max and exponentials are computed for all its tokens at once; the
+//      running max/sum (m, l) and the accumulator are rescaled only when the max grows. q is loaded
+//      times log2(e), so scores are in log2 units and weights are 2^(s - m): no range-reduction multiply
+//      (2-3% of a step on the Zen 4).
 //   3. values: acc += p * v with GS x CB independent register accumulators per pass over D.
 // fp16/bf16 elements are widened to fp32 in registers; all arithmetic is fp32.
 
@@ -26,9 +28,9 @@ void store_row(const float* src, float mul, T* dst, int D) {
 // q/out rows in the caller's dtype (fp32 or the cache's 16-bit type), converted with this ISA.
 inline void load_q(const AttnParams& P, size_t off, float* dst) {
   switch (P.q_dtype) {
-    case kF16: load_row(static_cast<const F16*>(P.q) + off, P.scale, dst, P.D); break;
-    case kBF16: load_row(static_cast<const BF16*>(P.q) + off, P.scale, dst, P.D); break;
-    default: load_row(static_cast<const float*>(P.q) + off, P.scale, dst, P.D);
+    case kF16: load_row(static_cast<const F16*>(P.q) + off, P.scale * kLog2e, dst, P.D); break;
+    case kBF16: load_row(static_cast<const BF16*>(P.q) + off, P.scale * kLog2e, dst, P.D); break;
+    default: load_row(static_cast<const float*>(P.q) + off, P.scale * kLog2e, dst, P.D);
   }
 }
 
@@ -114,17 +116,17 @@ struct Kernel {
       const R vm = Vec::set1(mn);
       R vsum = Vec::zero();
       for (int t0 = 0; t0 < npad; t0 += W) {
-        const R p = Vec::exp(Vec::sub(Vec::load(sg + t0), vm));
+        const R p = Vec::exp2(Vec::sub(Vec::load(sg + t0), vm));
         Vec::store(sg + t0, p);
         vsum = Vec::add(vsum, p);
       }
-      if (npad != n) {  // padded lanes: exp(-inf) may not be exactly 0 on every ISA
+      if (npad != n) {  // padded lanes: 2^(-inf) may not be exactly 0 on every ISA
         for (int t = n; t < npad; ++t) sg[t] = 0.0f;
         vsum = Vec::zero();
         for (int t0 = 0; t0 < npad; t0 += W) vsum = Vec::add(vsum, Vec::load(sg + t0));
       }
       if (mn != m[g]) {
-        const float alpha = std::exp(m[g] - mn);  // 0 on the first block (m = -inf)
+        const float alpha = std::exp2(m[g] - mn);  // 0 on the first block (m = -inf)
         const R va = Vec::set1(alpha);
         float* ag = acc + g * D;
         for (int c = 0; c < NC; ++c) Vec::store(ag + c * W, Vec::mul(Vec::load(ag + c * W), va));
@@ -219,7 +221,7 @@ struct Kernel {
       float L = 0.0f;
       for (int c = 0; c < NC; ++c) Vec::store(tmp + c * W, Vec::zero());
       for (int i = 0; i < count; ++i) {
-        const float w = std::exp(seg(i)[D] - M);
+        const float w = std::exp2(seg(i)[D] - M);
         L += w * seg(i)[D + 1];
         const R vw = Vec::set1(w);
         for (int c = 0; c < NC; ++c) Vec::store(tmp + c * W, Vec::fmadd(vw, Vec::load(seg(i) + c * W), Vec::load(tmp + c * W)));

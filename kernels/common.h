@@ -49,12 +49,17 @@ struct Segments {
 struct Scratch {
   float* q;     // [Hq, D] query * scale
   float* acc;   // [Hq, D] unnormalised output
-  float* m;     // [Hq] running max of scores
-  float* l;     // [Hq] running sum of exp(score - m)
+  float* m;     // [Hq] running max of scores (log2 units: q carries log2(e))
+  float* l;     // [Hq] running sum of 2^(score - m)
   float* part;  // [kMaxGroup, bsp, kMaxLanes] per-token partial dot products
   float* s;     // [kMaxGroup, bsp] scores, then probabilities
   int bsp;      // block_size rounded up to kMaxLanes
 };
+
+// Taylor coefficients of 2^f = e^(f ln 2), highest first: degree 6 is within 2e-7 on [-1/2, 1/2].
+constexpr float kExp2Poly[7] = {1.5403530393381606e-4f, 1.3333558146428443e-3f, 9.6181291076284772e-3f,
+                                5.5504108664821580e-2f, 2.4022650695910071e-1f, 6.9314718055994531e-1f, 1.0f};
+constexpr float kLog2e = 1.44269504088896341f;
 
 constexpr int kMaxGroup = 8;   // query heads handled together against one KV head
 constexpr int kMaxLanes = 16;  // widest vector (AVX-512 fp32)

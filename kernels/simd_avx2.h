@@ -54,22 +54,15 @@ struct Vec {
     return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
   }
 
-  // exp(x): Cody-Waite range reduction, degree-6 polynomial, 2^n built in the exponent field.
-  // Inputs below -87.3 give about 1e-38 rather than 0, which is harmless next to a weight of 1.
-  static R exp(R x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, set1(-87.3f)), set1(88.3f));
-    R n = _mm256_round_ps(_mm256_mul_ps(x, set1(1.44269504088896341f)),
-                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    R f = _mm256_fnmadd_ps(n, set1(0.693359375f), x);
-    f = _mm256_fnmadd_ps(n, set1(-2.12194440e-4f), f);
-    R p = set1(1.9875691500e-4f);
-    p = fmadd(p, f, set1(1.3981999507e-3f));
-    p = fmadd(p, f, set1(8.3334519073e-3f));
-    p = fmadd(p, f, set1(4.1665795894e-2f));
-    p = fmadd(p, f, set1(1.6666665459e-1f));
-    p = fmadd(p, f, set1(5.0000001201e-1f));
-    p = fmadd(p, _mm256_mul_ps(f, f), _mm256_add_ps(f, set1(1.0f)));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  // 2^x for x <= 0: n = round(x), 2^(x - n) by a degree-6 polynomial on [-1/2, 1/2], 2^n built in the
+  // exponent field. Inputs below -126 give about 1e-38 rather than 0, harmless next to a weight of 1.
+  static R exp2(R x) {
+    x = _mm256_max_ps(x, set1(-126.0f));
+    const R n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const R f = _mm256_sub_ps(x, n);
+    R p = set1(kExp2Poly[0]);
+    for (int i = 1; i < 7; ++i) p = fmadd(p, f, set1(kExp2Poly[i]));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
   }
 

@@ -57,20 +57,14 @@ struct Vec {
     return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
   }
 
-  // exp(x): Cody-Waite range reduction, degree-6 polynomial, 2^n applied with scalef (underflows to 0).
-  static R exp(R x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, set1(-104.0f)), set1(88.7f));
-    R n = _mm512_roundscale_ps(_mm512_mul_ps(x, set1(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    R f = _mm512_fnmadd_ps(n, set1(0.693359375f), x);
-    f = _mm512_fnmadd_ps(n, set1(-2.12194440e-4f), f);
-    R p = set1(1.9875691500e-4f);
-    p = fmadd(p, f, set1(1.3981999507e-3f));
-    p = fmadd(p, f, set1(8.3334519073e-3f));
-    p = fmadd(p, f, set1(4.1665795894e-2f));
-    p = fmadd(p, f, set1(1.6666665459e-1f));
-    p = fmadd(p, f, set1(5.0000001201e-1f));
-    p = fmadd(p, _mm512_mul_ps(f, f), _mm512_add_ps(f, set1(1.0f)));
+  // 2^x for x <= 0: n = round(x), 2^(x - n) by a degree-6 polynomial on [-1/2, 1/2], 2^n applied with
+  // scalef (underflows to 0).
+  static R exp2(R x) {
+    x = _mm512_max_ps(x, set1(-150.0f));
+    const R n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const R f = _mm512_sub_ps(x, n);
+    R p = set1(kExp2Poly[0]);
+    for (int i = 1; i < 7; ++i) p = fmadd(p, f, set1(kExp2Poly[i]));
     return _mm512_scalef_ps(p, n);
   }
 
