@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Paired A/B of two builds of the CPU attention kernel: `python bench/kernel_ab.py REV_A [REV_B]`.
 
-Builds `kernels/` as of each git revision (REV_B defaults to the working tree) with the project's flags, loads
+Builds `kernels/` as of each git revision, or from a folder holding a copy of it (REV_B defaults to the working
+tree), with the project's flags, loads
 both libraries into this process and calls them in alternation (A B, B A, A B, ...) on `make bench-kernel`'s
 shape, KV from DRAM. On a shared machine the bandwidth drifts by tens of percent between runs; consecutive
 calls see nearly the same machine, so the median of the per-pair speed ratios resolves a few percent where
@@ -31,9 +32,12 @@ WORKING_TREE = "worktree"
 
 
 def kernel_dir_at(rev: str, scratch: pathlib.Path) -> pathlib.Path:
-    """`kernels/` as of `rev`, unpacked under `scratch` (the checkout's own folder for the working tree)."""
+    """`kernels/` as of `rev`, unpacked under `scratch`; the checkout's own folder for the working tree, `rev`
+    itself where it is a folder with the sources (a machine without the git history)."""
     if rev == WORKING_TREE:
         return kernel_build.KERNEL_DIR
+    if (pathlib.Path(rev) / kernel_build.MAIN_SOURCE).is_file():
+        return pathlib.Path(rev)
     archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "kernels"], capture_output=True, check=True,
                              timeout=60).stdout
     target = scratch / rev.replace("/", "_")
@@ -51,9 +55,9 @@ def timed_call(case: Case, lib: ctypes.CDLL, threads: int, table: int) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("rev_a", help="git revision of build A")
-    parser.add_argument("rev_b", nargs="?", default=WORKING_TREE, help="git revision of build B (default: the "
-                        "working tree)")
+    parser.add_argument("rev_a", help="git revision (or kernels/ folder) of build A")
+    parser.add_argument("rev_b", nargs="?", default=WORKING_TREE, help="git revision (or kernels/ folder) of "
+                        "build B (default: the working tree)")
     parser.add_argument("--threads", type=int, default=None, help="default: the cores this process may use")
     parser.add_argument("--pairs", type=int, default=60)
     args = parser.parse_args()
