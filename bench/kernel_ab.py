@@ -2,9 +2,8 @@
 """Paired A/B of two builds of the CPU attention kernel: `python bench/kernel_ab.py REV_A [REV_B]`.
 
 Builds `kernels/` as of each git revision, or from a folder holding a copy of it (REV_B defaults to the working
-tree), with the project's flags, loads
-both libraries into this process and calls them in alternation (A B, B A, A B, ...) on `make bench-kernel`'s
-shape, KV from DRAM. On a shared machine the bandwidth drifts by tens of percent between runs; consecutive
+tree), with the project's flags, loads both libraries into this process and calls them in alternation (A B,
+B A, A B, ...) on `make bench-kernel`'s shape, KV from DRAM. On a shared machine the bandwidth drifts by tens of percent between runs; consecutive
 calls see nearly the same machine, so the median of the per-pair speed ratios resolves a few percent where
 two separate runs of bench/kernel.py cannot. Both revisions must have this binding's ABI.
 Dependencies: torch, git, tar and the standard library.

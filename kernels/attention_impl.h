@@ -50,7 +50,8 @@ struct Kernel {
   // Steps (one KV head of one block) to prefetch ahead: 2 beat 1 on the 2-core Zen 4 and tied on the
   // 16-core Xeon; 4 lost on both. Keys are prefetched through the score loop and values through the value
   // passes: spread over the whole step, fewer prefetches wait for memory at once beside the step's own
-  // fills from L2 (against prefetching both in the score loop: +6-7% on the Zen 4, +3.5% on the Xeon).
+  // fills from L2 (against prefetching both in the score loop, paired: +4-10% on the Zen 4, +5-6% on the
+  // Xeon).
   static constexpr int kPrefetchSteps = 2;
 
   static void prefetch_row(const KT* p) {
