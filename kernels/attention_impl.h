@@ -15,6 +15,17 @@
 using R = Vec::R;
 constexpr int W = Vec::W;
 
+// 2^x for x <= 0, lane by lane: n = round(x), 2^(x - n) by kExp2Poly on [-1/2, 1/2], times 2^n. Inputs below
+// Vec::kPow2Min give about 2^kPow2Min rather than 0, harmless next to a softmax weight of 1.
+inline R exp2_lanes(R x) {
+  x = Vec::max(x, Vec::set1(Vec::kPow2Min));
+  const R n = Vec::round(x);
+  const R f = Vec::sub(x, n);
+  R p = Vec::set1(kExp2Poly[0]);
+  for (int i = 1; i < 7; ++i) p = Vec::fmadd(p, f, Vec::set1(kExp2Poly[i]));
+  return Vec::pow2_scale(p, n);
+}
+
 template <class T>
 void load_row(const T* src, float scale, float* dst, int D) {
   for (int c = 0; c < D; c += W) Vec::store(dst + c, Vec::mul(Vec::load(src + c), Vec::set1(scale)));
@@ -117,7 +128,7 @@ struct Kernel {
       const R vm = Vec::set1(mn);
       R vsum = Vec::zero();
       for (int t0 = 0; t0 < npad; t0 += W) {
-        const R p = Vec::exp2(Vec::sub(Vec::load(sg + t0), vm));
+        const R p = exp2_lanes(Vec::sub(Vec::load(sg + t0), vm));
         Vec::store(sg + t0, p);
         vsum = Vec::add(vsum, p);
       }

@@ -54,14 +54,10 @@ struct Vec {
     return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
   }
 
-  // 2^x for x <= 0: n = round(x), 2^(x - n) by a degree-6 polynomial on [-1/2, 1/2], 2^n built in the
-  // exponent field. Inputs below -126 give about 1e-38 rather than 0, harmless next to a weight of 1.
-  static R exp2(R x) {
-    x = _mm256_max_ps(x, set1(-126.0f));
-    const R n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const R f = _mm256_sub_ps(x, n);
-    R p = set1(kExp2Poly[0]);
-    for (int i = 1; i < 7; ++i) p = fmadd(p, f, set1(kExp2Poly[i]));
+  static R round(R x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  // p * 2^n for integral n >= kPow2Min: 2^n built in the exponent field, so n below -126 is not representable.
+  static constexpr float kPow2Min = -126.0f;
+  static R pow2_scale(R p, R n) {
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
   }

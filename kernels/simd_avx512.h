@@ -57,16 +57,10 @@ struct Vec {
     return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
   }
 
-  // 2^x for x <= 0: n = round(x), 2^(x - n) by a degree-6 polynomial on [-1/2, 1/2], 2^n applied with
-  // scalef (underflows to 0).
-  static R exp2(R x) {
-    x = _mm512_max_ps(x, set1(-150.0f));
-    const R n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const R f = _mm512_sub_ps(x, n);
-    R p = set1(kExp2Poly[0]);
-    for (int i = 1; i < 7; ++i) p = fmadd(p, f, set1(kExp2Poly[i]));
-    return _mm512_scalef_ps(p, n);
-  }
+  static R round(R x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  // p * 2^n for integral n >= kPow2Min (scalef underflows to 0 below the fp32 range).
+  static constexpr float kPow2Min = -150.0f;
+  static R pow2_scale(R p, R n) { return _mm512_scalef_ps(p, n); }
 
   // rows: 16 consecutive vectors; lane i of the result is the sum of the 16 lanes of row i.
   static R reduce_rows(const float* rows) {

@@ -21,7 +21,9 @@ struct Vec {
   static R fmadd(R a, R b, R c) { return a * b + c; }
   static R in_register(R v) { return v; }
   static void prefetch(const void* p) { __builtin_prefetch(p); }
-  static R exp2(R x) { return std::exp2(x); }
+  static R round(R x) { return std::nearbyint(x); }
+  static constexpr float kPow2Min = -150.0f;
+  static R pow2_scale(R p, R n) { return std::ldexp(p, int(n)); }
   static R reduce_rows(const float* rows) { return rows[0]; }
 
   static double read_sum(const float* p, size_t n) {
