@@ -58,12 +58,13 @@ def huge_page_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor
     all of it can be huge pages and each KV block starts on a page (the kernel read 4% faster on the Zen 4 VM
     than from torch.empty's placement, paired calls). Left untouched, it takes memory only as blocks are first
     written, like any large allocation."""
-    nbytes = -(-math.prod(shape) * dtype.itemsize // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
-    raw = torch.empty(nbytes + HUGE_PAGE_BYTES, dtype=torch.uint8)
+    nbytes = math.prod(shape) * dtype.itemsize
+    advised = -(-nbytes // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES  # whole huge pages
+    raw = torch.empty(advised + HUGE_PAGE_BYTES, dtype=torch.uint8)
     offset = -raw.data_ptr() % HUGE_PAGE_BYTES
-    if sys.platform == "linux" and nbytes:
-        ctypes.CDLL(None).madvise(ctypes.c_void_p(raw.data_ptr() + offset), ctypes.c_size_t(nbytes), MADV_HUGEPAGE)
-    return raw[offset:offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+    if sys.platform == "linux" and advised:
+        ctypes.CDLL(None).madvise(ctypes.c_void_p(raw.data_ptr() + offset), ctypes.c_size_t(advised), MADV_HUGEPAGE)
+    return raw[offset:offset + nbytes].view(dtype).view(shape)
 
 
 def transparent_huge_page_mode() -> str:
