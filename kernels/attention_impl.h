@@ -176,13 +176,40 @@ struct Kernel {
     }
   }
 
+  // A step whose probabilities are ready and whose values pass has not run yet.
+  struct Deferred {
+    const float* p = nullptr;  // null: nothing deferred
+    const KT* v;
+    const KT* pf_v;
+    int n, qh, gs;
+  };
+
+  static void run_values(const Deferred& d, size_t row, const Scratch& sc) {
+    float* acc = sc.acc + size_t(d.qh) * D;
+    switch (d.gs) {
+      case 8: values<8>(d.p, d.v, row, d.n, sc.bsp, d.pf_v, acc); break;
+      case 4: values<4>(d.p, d.v, row, d.n, sc.bsp, d.pf_v, acc); break;
+      case 2: values<2>(d.p, d.v, row, d.n, sc.bsp, d.pf_v, acc); break;
+      default: values<1>(d.p, d.v, row, d.n, sc.bsp, d.pf_v, acc);
+    }
+  }
+
+  // Scores and softmax of this step, then the values pass of the step before, whose query heads differ
+  // (the next KV head): the softmax's serial chain (max, exp, sum) then overlaps that pass's FMAs instead
+  // of idling the FP pipes. Where both steps have the same query heads (an item of one KV head), the
+  // deferred pass runs first, as the softmax may rescale its accumulators.
   template <int GS>
   static void step(const KT* k, const KT* v, size_t row, int n, int qh, const KT* pf_k, const KT* pf_v,
-                   Scratch& sc) {
-    float* acc = sc.acc + size_t(qh) * D;
-    scores<GS>(sc.q + size_t(qh) * D, k, row, n, sc.bsp, pf_k, sc.part, sc.s);
-    softmax<GS>(sc.s, n, sc.bsp, sc.m + qh, sc.l + qh, acc);
-    values<GS>(sc.s, v, row, n, sc.bsp, pf_v, acc);
+                   Scratch& sc, Deferred& prev) {
+    float* s = prev.p == sc.s[0] ? sc.s[1] : sc.s[0];
+    scores<GS>(sc.q + size_t(qh) * D, k, row, n, sc.bsp, pf_k, sc.part, s);
+    if (prev.p && prev.qh == qh) {
+      run_values(prev, row, sc);
+      prev.p = nullptr;
+    }
+    softmax<GS>(s, n, sc.bsp, sc.m + qh, sc.l + qh, sc.acc + size_t(qh) * D);
+    if (prev.p) run_values(prev, row, sc);
+    prev = {s, v, pf_v, n, qh, GS};
   }
 
   static void attend(const AttnParams& P, const WorkItem& it, Scratch& sc) {
@@ -194,6 +221,7 @@ struct Kernel {
     const int32_t* bt = P.block_tables + size_t(it.seq) * P.max_blocks;
     const int ctx = P.context_lens[it.seq];
     const int nh = it.h_end - it.h_begin;
+    Deferred prev;
     for (int j = it.blk_begin; j < it.blk_end; ++j) {
       const size_t base = size_t(bt[j]) * blk;
       const int n = ctx - j * P.block_size < P.block_size ? ctx - j * P.block_size : P.block_size;
@@ -212,14 +240,15 @@ struct Kernel {
         const KT* v = V + base + size_t(h) * D;
         for (int g0 = 0; g0 < G;) {  // query heads of this KV head, in groups of 8/4/2/1
           const int left = G - g0, qh = h * G + g0;
-          if (left >= 8) { step<8>(k, v, row, n, qh, pf_k, pf_v, sc); g0 += 8; }
-          else if (left >= 4) { step<4>(k, v, row, n, qh, pf_k, pf_v, sc); g0 += 4; }
-          else if (left >= 2) { step<2>(k, v, row, n, qh, pf_k, pf_v, sc); g0 += 2; }
-          else { step<1>(k, v, row, n, qh, pf_k, pf_v, sc); g0 += 1; }
+          if (left >= 8) { step<8>(k, v, row, n, qh, pf_k, pf_v, sc, prev); g0 += 8; }
+          else if (left >= 4) { step<4>(k, v, row, n, qh, pf_k, pf_v, sc, prev); g0 += 4; }
+          else if (left >= 2) { step<2>(k, v, row, n, qh, pf_k, pf_v, sc, prev); g0 += 2; }
+          else { step<1>(k, v, row, n, qh, pf_k, pf_v, sc, prev); g0 += 1; }
           pf_k = pf_v = nullptr;  // prefetch once per step, not once per query-head group
         }
       }
     }
+    if (prev.p) run_values(prev, row, sc);
   }
 
   // Exact log-sum-exp merge of a split sequence's segments for query heads [q0, q1).

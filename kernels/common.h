@@ -52,7 +52,7 @@ struct Scratch {
   float* m;     // [Hq] running max of scores (log2 units: q carries log2(e))
   float* l;     // [Hq] running sum of 2^(score - m)
   float* part;  // [kMaxGroup, bsp, kMaxLanes] per-token partial dot products
-  float* s;     // [kMaxGroup, bsp] scores, then probabilities
+  float* s[2];  // [kMaxGroup, bsp] each: scores, then probabilities, of a step and of the deferred one
   int bsp;      // block_size rounded up to kMaxLanes
 };
 

@@ -149,7 +149,7 @@ bool thread_scratch(const AttnParams& P, Scratch& sc) {
   const int bsp = (P.block_size + kMaxLanes - 1) / kMaxLanes * kMaxLanes;
   const size_t hd = size_t(P.Hq) * P.D;
   const size_t sizes[] = {hd, hd, size_t(P.Hq), size_t(P.Hq), size_t(kMaxGroup) * bsp * kMaxLanes,
-                          size_t(kMaxGroup) * bsp};
+                          size_t(kMaxGroup) * bsp, size_t(kMaxGroup) * bsp};
   size_t bytes = 0;
   for (size_t n : sizes) bytes += (n * sizeof(float) + 63) / 64 * 64;
   if (bytes > cap) {
@@ -158,9 +158,9 @@ bool thread_scratch(const AttnParams& P, Scratch& sc) {
     cap = mem ? bytes : 0;
     if (!mem) return false;
   }
-  float** dst[] = {&sc.q, &sc.acc, &sc.m, &sc.l, &sc.part, &sc.s};
+  float** dst[] = {&sc.q, &sc.acc, &sc.m, &sc.l, &sc.part, &sc.s[0], &sc.s[1]};
   char* p = static_cast<char*>(mem);
-  for (int i = 0; i < 6; ++i) {
+  for (int i = 0; i < 7; ++i) {
     *dst[i] = reinterpret_cast<float*>(p);
     p += (sizes[i] * sizeof(float) + 63) / 64 * 64;
   }
