@@ -11,6 +11,10 @@ the stream buffer), so no call finds its KV in cache; physical blocks are shuffl
 engine. Both the KV copies and the stream buffer are allocated as the engine allocates its host pool (on
 transparent huge pages where the system allows them).
 
+Before it, the same calls with every block-table entry pointing into a few physical blocks that stay in L2
+(`kv_hot_GBps`): the kernel's arithmetic ceiling on this machine, so the two figures say whether it is
+bound by arithmetic or by memory here.
+
 Last line: `kv_read_GBps=<x> stream_read_GBps=<y> ratio=<x/y>`. `--sweep` also writes
 bench/results/kernel_sweep_<hostname>.csv over threads, batch, context and dtype.
 Dependencies: torch and the standard library only.
@@ -39,6 +43,8 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 # Working sets are kept at >= 8x the LLC: a large LLC (300 MiB on the H200 host) otherwise keeps part of
 # a repeatedly scanned buffer and inflates either figure.
 LLC_MULTIPLE = 8
+# Physical blocks the hot table cycles over: 4 blocks of K and V are 256 KiB at the bench shape.
+HOT_BLOCKS = 4
 
 
 def llc_bytes() -> int:
@@ -71,17 +77,20 @@ class Case:
         self.v_cache = huge_page_tensor(shape, dtype).copy_(torch.randn(shape, generator=gen))
         perm = torch.randperm(num_blocks, generator=gen).to(torch.int32)
         self.tables = [t.reshape(batch, blocks_per_seq).contiguous() for t in perm.chunk(copies)]
+        self.hot_table = (torch.arange(batch * blocks_per_seq, dtype=torch.int32) % HOT_BLOCKS).reshape(
+            batch, blocks_per_seq)
         self.context_lens = torch.full((batch,), context, dtype=torch.int32)
         self.q = torch.randn(batch, hq, head_dim, generator=gen).to(dtype)
         self.out = torch.empty_like(self.q)
         self.scale = 1.0 / math.sqrt(head_dim)
         self._next = 0
 
-    def run(self, threads: int, table: int | None = None) -> None:
+    def run(self, threads: int, table: int | None = None, hot: bool = False) -> None:
+        """One call over KV copy `table` (default: the next copy), or over the hot table."""
         if table is None:
             table, self._next = self._next, (self._next + 1) % len(self.tables)
-        ca.paged_decode_attention(self.q, self.k_cache, self.v_cache, self.tables[table], self.context_lens,
-                                  self.scale, out=self.out, num_threads=threads)
+        ca.paged_decode_attention(self.q, self.k_cache, self.v_cache, self.hot_table if hot else self.tables[table],
+                                  self.context_lens, self.scale, out=self.out, num_threads=threads)
 
     def check(self, threads: int) -> float:
         """Max relative error (per output row) against the float64 reference, on fp32 queries."""
@@ -101,11 +110,11 @@ def bench_case() -> Case:
     return Case(batch=32, context=1024, hq=32, hkv=8, head_dim=128, dtype=torch.float16, block_size=16)
 
 
-def kernel_gbps(case: Case, threads: int, reps: int) -> float:
+def kernel_gbps(case: Case, threads: int, reps: int, hot: bool = False) -> float:
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        case.run(threads)
+        case.run(threads, hot=hot)
         times.append(time.perf_counter() - t0)
     return case.kv_bytes / statistics.median(times) / 1e9
 
@@ -128,6 +137,12 @@ def measure(case: Case, buf: torch.Tensor, threads: int, rounds: int, reps: int)
         kv.append(kernel_gbps(case, threads, reps))
         st.append(stream_gbps(buf, threads, max(1, reps // 2)))
     return statistics.median(kv), statistics.median(st)
+
+
+def hot_gbps(case: Case, threads: int, rounds: int, reps: int) -> float:
+    """Median over `rounds` of the kernel's speed with the KV in L2 (the hot table), after one warm-up."""
+    kernel_gbps(case, threads, 1, hot=True)
+    return statistics.median(kernel_gbps(case, threads, reps, hot=True) for _ in range(rounds))
 
 
 def sweep(buf: torch.Tensor, max_threads: int, rounds: int, path: pathlib.Path) -> None:
@@ -175,9 +190,12 @@ def main() -> int:
         sweep(buf, threads, max(3, args.rounds // 3),
               args.sweep_out or ROOT / "bench" / "results" / f"kernel_sweep_{socket.gethostname()}.csv")
     kv, st = measure(case, buf, threads, args.rounds, reps=7)
+    hot = hot_gbps(case, threads, args.rounds, reps=7)
     print(f"{BENCH_SHAPE}: {case.kv_bytes / 2**20:.0f} MiB KV per call, "
           f"{case.kv_bytes / kv / 1e6:.2f} ms per call (median of {args.rounds} rounds); "
           f"load average {os.getloadavg()[0]:.2f}")
+    print(f"kv_hot_GBps={hot:.2f} (KV in L2: the arithmetic ceiling; from DRAM the kernel reaches {kv / hot:.2f} "
+          "of it)")
     print(f"kv_read_GBps={kv:.2f} stream_read_GBps={st:.2f} ratio={kv / st:.3f}")
     return 0
 
