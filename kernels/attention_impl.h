@@ -9,7 +9,8 @@
 //      running max/sum (m, l) and the accumulator are rescaled only when the max grows. q is loaded
 //      times log2(e), so scores are in log2 units and weights are 2^(s - m): no range-reduction multiply
 //      (2-3% of a step on the Zen 4).
-//   3. values: acc += p * v with GS x CB independent register accumulators per pass over D.
+//   3. values: acc += p * v with GS x CB independent register accumulators per pass over D; run one step
+//      late, after the next step's scores and softmax (see `step`).
 // fp16/bf16 elements are widened to fp32 in registers; all arithmetic is fp32.
 
 using R = Vec::R;
@@ -194,10 +195,10 @@ struct Kernel {
     }
   }
 
-  // Scores and softmax of this step, then the values pass of the step before, whose query heads differ
-  // (the next KV head): the softmax's serial chain (max, exp, sum) then overlaps that pass's FMAs instead
-  // of idling the FP pipes. Where both steps have the same query heads (an item of one KV head), the
-  // deferred pass runs first, as the softmax may rescale its accumulators.
+  // Scores and softmax of this step, then the deferred values pass of the step before (normally the
+  // previous KV head, so other query heads): the softmax's serial chain (max, exp, sum) then overlaps that
+  // pass's FMAs instead of idling the FP pipes. Where both steps have the same query heads (an item of one
+  // KV head), the deferred pass runs first, as the softmax may rescale its accumulators.
   template <int GS>
   static void step(const KT* k, const KT* v, size_t row, int n, int qh, const KT* pf_k, const KT* pf_v,
                    Scratch& sc, Deferred& prev) {
