@@ -177,22 +177,18 @@ struct Kernel {
     }
   }
 
-  // A step whose probabilities are ready and whose values pass has not run yet.
+  // A step whose probabilities are ready and whose values pass (`values<GS>` of its group size) has not
+  // run yet.
   struct Deferred {
-    const float* p = nullptr;  // null: nothing deferred
+    void (*values)(const float*, const KT*, size_t, int, int, const KT*, float*) = nullptr;  // null: none
+    const float* p = nullptr;
     const KT* v;
     const KT* pf_v;
-    int n, qh, gs;
+    int n, qh;
   };
 
   static void run_values(const Deferred& d, size_t row, const Scratch& sc) {
-    float* acc = sc.acc + size_t(d.qh) * D;
-    switch (d.gs) {
-      case 8: values<8>(d.p, d.v, row, d.n, sc.bsp, d.pf_v, acc); break;
-      case 4: values<4>(d.p, d.v, row, d.n, sc.bsp, d.pf_v, acc); break;
-      case 2: values<2>(d.p, d.v, row, d.n, sc.bsp, d.pf_v, acc); break;
-      default: values<1>(d.p, d.v, row, d.n, sc.bsp, d.pf_v, acc);
-    }
+    d.values(d.p, d.v, row, d.n, sc.bsp, d.pf_v, sc.acc + size_t(d.qh) * D);
   }
 
   // Scores and softmax of this step, then the deferred values pass of the step before (normally the
@@ -202,15 +198,15 @@ struct Kernel {
   template <int GS>
   static void step(const KT* k, const KT* v, size_t row, int n, int qh, const KT* pf_k, const KT* pf_v,
                    Scratch& sc, Deferred& prev) {
-    float* s = prev.p == sc.s[0] ? sc.s[1] : sc.s[0];
+    float* s = prev.p == sc.s[0] ? sc.s[1] : sc.s[0];  // not the deferred step's probabilities
     scores<GS>(sc.q + size_t(qh) * D, k, row, n, sc.bsp, pf_k, sc.part, s);
-    if (prev.p && prev.qh == qh) {
+    if (prev.values && prev.qh == qh) {
       run_values(prev, row, sc);
-      prev.p = nullptr;
+      prev.values = nullptr;
     }
     softmax<GS>(s, n, sc.bsp, sc.m + qh, sc.l + qh, sc.acc + size_t(qh) * D);
-    if (prev.p) run_values(prev, row, sc);
-    prev = {s, v, pf_v, n, qh, GS};
+    if (prev.values) run_values(prev, row, sc);
+    prev = {&values<GS>, s, v, pf_v, n, qh};
   }
 
   static void attend(const AttnParams& P, const WorkItem& it, Scratch& sc) {
@@ -249,7 +245,7 @@ struct Kernel {
         }
       }
     }
-    if (prev.p) run_values(prev, row, sc);
+    if (prev.values) run_values(prev, row, sc);
   }
 
   // Exact log-sum-exp merge of a split sequence's segments for query heads [q0, q1).
