@@ -17,7 +17,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Mapping
+from typing import Callable, Iterator, Mapping
 
 from loadtest.metrics import metric_value, scrape_metrics  # noqa: F401  (re-exported for the tests)
 from neo_backend.server import (DEFAULT_MODEL_REPOSITORY, MODEL_NAME, ServerAddress, free_ports, launch,  # noqa: F401
@@ -101,3 +101,26 @@ def triton_server(overrides: Mapping[str, object] | None = None, *, ready_timeou
             yield server
         finally:
             server.stop()
+
+
+def requests_in_engine(samples: list) -> float:
+    return metric_value(samples, "neo_requests")
+
+
+def kv_blocks_used(samples: list) -> float:
+    return metric_value(samples, "neo_kv_blocks_used")
+
+
+def wait_for_metrics(server: RunningServer, condition: Callable[[list], bool], what: str, timeout: float) -> list:
+    """The first scrape that meets `condition`. The model refreshes its gauges every 0.25 s, so a test polls
+    rather than reading them once right after a request changed state."""
+    deadline = time.monotonic() + timeout
+    while True:
+        samples = scrape_metrics(server.metrics_url)
+        if condition(samples):
+            return samples
+        if time.monotonic() > deadline:
+            neo = [s for s in samples if s[0].startswith("neo_")]
+            raise AssertionError(f"{what} not reached within {timeout:g} s; neo metrics: {neo}; log tail:\n"
+                                 f"{server.log_tail(3000)}")
+        time.sleep(0.05)

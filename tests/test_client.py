@@ -15,7 +15,8 @@ import pytest
 
 from client import AsyncNeoClient, NeoClient, ServerError, render_chat
 from client.__main__ import parse_args, sampling_from_args
-from server_utils import RunningServer, free_ports, metric_value, scrape_metrics, triton_server
+from server_utils import (RunningServer, free_ports, kv_blocks_used, requests_in_engine, triton_server,
+                          wait_for_metrics)
 
 ROOT = Path(__file__).resolve().parent.parent
 STATS_LINE = re.compile(r"TTFT (\d+\.\d) ms \| TPOT (\d+\.\d) ms \| (\d+\.\d) tokens/s \| (\d+) tokens in "
@@ -83,18 +84,16 @@ def client_env(server: RunningServer) -> dict[str, str]:
     return {"NEO_HOST": server.address.host, "NEO_GRPC_PORT": str(server.address.grpc_port)}
 
 
-def engine_load(server: RunningServer) -> tuple[float, float]:
-    """(requests waiting or decoding, KV blocks in use in both pools)."""
-    samples = scrape_metrics(server.metrics_url)
-    return metric_value(samples, "neo_requests"), metric_value(samples, "neo_kv_blocks_used")
+def wait_streaming(server: RunningServer) -> float:
+    """KV blocks in use once the gauges show the one streaming request."""
+    return kv_blocks_used(wait_for_metrics(server, lambda s: requests_in_engine(s) == 1, "one request in the engine",
+                                           timeout=2.0))
 
 
 def wait_idle(server: RunningServer, timeout: float = 5.0) -> float:
     """Seconds until no request is in the engine and no KV block is used; fails after `timeout`."""
     start = time.monotonic()
-    while (load := engine_load(server)) != (0, 0):
-        assert time.monotonic() - start < timeout, f"server still busy after {timeout} s: (requests, blocks) {load}"
-        time.sleep(0.05)
+    wait_for_metrics(server, lambda s: (requests_in_engine(s), kv_blocks_used(s)) == (0, 0), "an idle engine", timeout)
     return time.monotonic() - start
 
 
@@ -165,13 +164,12 @@ def test_timeout_is_an_error_and_frees_the_request(server):
 def test_cancel_mid_stream_frees_kv_blocks(server):
     wait_idle(server)
     with NeoClient(server.grpc_url) as c:
-        stream = c.stream("Tell me a long story.", LONG)
-        for n, _ in enumerate(stream, 1):
-            if n == 3:
-                break
-        requests, blocks = engine_load(server)
-        assert requests == 1 and blocks > 0, "the request should hold KV blocks while it streams"
-        stream.cancel()
+        with c.stream("Tell me a long story.", LONG) as stream:
+            for n, _ in enumerate(stream, 1):
+                if n == 3:
+                    break
+            assert wait_streaming(server) > 0, "the request should hold KV blocks while it streams"
+            stream.cancel()
         assert stream.result is None
         freed_after = wait_idle(server)
         assert freed_after < 2.0, f"server took {freed_after:.2f} s to free the cancelled request"
@@ -186,10 +184,7 @@ def test_ctrl_c_cancels_the_request_on_the_server(server):
     try:
         ready, _, _ = select.select([proc.stdout], [], [], 30)
         assert ready and proc.stdout.read(1), "no streamed output before the interrupt"
-        deadline = time.monotonic() + 2.0  # gauges refresh every 0.25 s
-        while engine_load(server)[0] != 1:
-            assert time.monotonic() < deadline, "the streaming request is not shown in neo_requests"
-            time.sleep(0.05)
+        wait_streaming(server)
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=20)
     finally:

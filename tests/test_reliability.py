@@ -26,7 +26,7 @@ from tritonclient.utils import InferenceServerException
 from client import NeoClient, ServerError
 from loadtest.soak import raw_inputs, run_soak, server_pids
 from neo_backend.server import MODEL_NAME, ServerAddress, build_command, find_tritonserver
-from server_utils import RunningServer, metric_value, scrape_metrics, triton_server
+from server_utils import RunningServer, metric_value, scrape_metrics, triton_server, wait_for_metrics
 
 REPO = Path(__file__).resolve().parent.parent
 # Small pools; every decode on the CPU pool (offload_policy=always) with a tiny host pool, so both pools see
@@ -43,8 +43,7 @@ def server() -> RunningServer:
         yield running
 
 
-def engine_gauges(server: RunningServer) -> dict[str, float]:
-    samples = scrape_metrics(server.metrics_url)
+def engine_gauges(samples: list) -> dict[str, float]:
     return {"requests": metric_value(samples, "neo_requests"),
             "gpu": metric_value(samples, "neo_kv_blocks_used", pool="gpu"),
             "cpu": metric_value(samples, "neo_kv_blocks_used", pool="cpu")}
@@ -52,15 +51,8 @@ def engine_gauges(server: RunningServer) -> dict[str, float]:
 
 def wait_drained(server: RunningServer, timeout: float = DRAIN_TIMEOUT_S) -> dict[str, float]:
     """No request left in the engine and no KV block used in either pool, within `timeout`."""
-    deadline = time.monotonic() + timeout
-    while True:
-        gauges = engine_gauges(server)
-        if gauges == {"requests": 0, "gpu": 0, "cpu": 0}:
-            return gauges
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not drained {timeout:g} s after the load: {gauges}; log tail:\n"
-                                 f"{server.log_tail(3000)}")
-        time.sleep(0.25)
+    drained = {"requests": 0, "gpu": 0, "cpu": 0}
+    return engine_gauges(wait_for_metrics(server, lambda s: engine_gauges(s) == drained, "drained", timeout))
 
 
 def assert_serves(server: RunningServer) -> None:
@@ -147,7 +139,7 @@ def test_cancellation_storm_leaves_no_stuck_request_or_leaked_block(server):
     print(f"storm: {n} streams, {len(completed)} completed, "
           f"{sum(r[0] == 'cancel' and not r[3] for r in results)} cancelled and "
           f"{sum(r[0] == 'drop' and not r[3] for r in results)} dropped before their end; "
-          f"after the drain: {engine_gauges(server)}")
+          f"after the drain: {engine_gauges(scrape_metrics(server.metrics_url))}")
     assert_serves(server)
 
 

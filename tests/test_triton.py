@@ -21,7 +21,8 @@ from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 from neo_backend import ConfigError, EngineConfig, LLMEngine
 from neo_backend.server import (DEFAULT_MODEL_REPOSITORY, MODEL_NAME, ServerAddress, knob_overrides,
                                 read_parameters)
-from server_utils import RunningServer, metric_value, scrape_metrics, triton_server
+from server_utils import (RunningServer, kv_blocks_used, metric_value, requests_in_engine, scrape_metrics,
+                          triton_server, wait_for_metrics)
 
 # Small pools and a short max_model_len keep start-up quick and make "prompt too long" cheap to hit.
 KNOBS = {"num_gpu_blocks": 256, "max_model_len": 256, "cpu_kv_cache_gb": 0.05, "max_num_seqs": 32}
@@ -116,26 +117,6 @@ def http_post(server: RunningServer, path: str, body: dict) -> str:
                                      data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
         return response.read().decode()
-
-
-def wait_for_metric(server: RunningServer, condition, what: str, timeout: float = DRAIN_TIMEOUT_S) -> list:
-    deadline = time.monotonic() + timeout
-    while True:
-        samples = scrape_metrics(server.metrics_url)
-        if condition(samples):
-            return samples
-        if time.monotonic() > deadline:
-            neo = [s for s in samples if s[0].startswith("neo_")]
-            raise AssertionError(f"{what} not reached within {timeout} s; neo metrics: {neo}")
-        time.sleep(0.1)
-
-
-def requests_in_engine(samples: list) -> float:
-    return metric_value(samples, "neo_requests")
-
-
-def kv_blocks_used(samples: list) -> float:
-    return metric_value(samples, "neo_kv_blocks_used")
 
 
 # Fixtures --------------------------------------------------------------------------------------------------------
@@ -245,18 +226,19 @@ def test_http_generate_and_generate_stream_return_the_same_text(server, referenc
 # Cancellation and metrics ----------------------------------------------------------------------------------------
 
 def test_cancelled_stream_frees_its_blocks_and_the_next_request_works(server, reference):
-    idle = wait_for_metric(server, lambda s: requests_in_engine(s) == 0, "an idle engine")
+    idle = wait_for_metrics(server, lambda s: requests_in_engine(s) == 0, "an idle engine", DRAIN_TIMEOUT_S)
     idle_blocks = kv_blocks_used(idle)
     stream = Stream(server).send(request_inputs(PROMPTS[0], LONG))
     for _ in range(3):
         stream.next()
     assert stream.result.error is None and not stream.done
-    busy = wait_for_metric(server, lambda s: requests_in_engine(s) == 1, "one request in the engine")
+    busy = wait_for_metrics(server, lambda s: requests_in_engine(s) == 1, "one request in the engine",
+                            DRAIN_TIMEOUT_S)
     assert kv_blocks_used(busy) > idle_blocks
     cancelled_at = datetime.datetime.now()
     stream.close(cancel=True)
-    wait_for_metric(server, lambda s: requests_in_engine(s) == 0 and kv_blocks_used(s) == idle_blocks,
-                    "blocks freed after the cancel", timeout=3.0)
+    wait_for_metrics(server, lambda s: requests_in_engine(s) == 0 and kv_blocks_used(s) == idle_blocks,
+                     "blocks freed after the cancel", timeout=3.0)
     # The model polls every 20 ms and logs when it aborts the request (measured here: 3 to 16 ms); the bound
     # leaves room for a loaded 2-core machine.
     [line] = [line for line in server.log().splitlines() if "cancelled by its client" in line][-1:]
@@ -269,9 +251,9 @@ def test_metrics_move_as_requests_run_and_drain_to_zero(server):
     before = scrape_metrics(server.metrics_url)
     result = run_stream(server, request_inputs(PROMPTS[1], GREEDY))
     assert result.error is None
-    after = wait_for_metric(server, lambda s: requests_in_engine(s) == 0 and metric_value(
+    after = wait_for_metrics(server, lambda s: requests_in_engine(s) == 0 and metric_value(
         s, "neo_generation_tokens_total") >= metric_value(before, "neo_generation_tokens_total") + MAX_TOKENS,
-        "token counters updated, no request left")
+        "token counters updated, no request left", DRAIN_TIMEOUT_S)
 
     def grew(name: str) -> float:
         return metric_value(after, name) - metric_value(before, name)
