@@ -168,9 +168,9 @@ def test_burst_beyond_max_queue_size_is_refused_at_once_and_the_server_keeps_ser
         assert all(o[2] == 24 for o in served)
         # Refusals are immediate: far quicker than the served requests' whole generation.
         assert max(o[1] for o in refused) < 10.0, refused
+        wait_drained(small)
         samples = scrape_metrics(small.metrics_url)
         assert metric_value(samples, "neo_request_failures_total", reason="queue_full") == len(refused)
-        wait_drained(small)
         assert_serves(small)
         print(f"admission: burst {burst}, served {len(served)}, refused {len(refused)} "
               f"(slowest refusal {max(o[1] for o in refused):.2f} s, slowest served {max(o[1] for o in served):.2f} s)")
