@@ -147,22 +147,26 @@ bool thread_scratch(const AttnParams& P, Scratch& sc) {
   thread_local void* mem = nullptr;
   thread_local size_t cap = 0;
   const int bsp = (P.block_size + kMaxLanes - 1) / kMaxLanes * kMaxLanes;
-  const size_t hd = size_t(P.Hq) * P.D;
-  const size_t sizes[] = {hd, hd, size_t(P.Hq), size_t(P.Hq), size_t(kMaxGroup) * bsp * kMaxLanes,
-                          size_t(kMaxGroup) * bsp, size_t(kMaxGroup) * bsp};
+  const size_t hd = size_t(P.Hq) * P.D, group = size_t(kMaxGroup) * bsp;
+  struct Buffer {
+    float** dst;
+    size_t floats;
+  };
+  const Buffer buffers[] = {{&sc.q, hd}, {&sc.acc, hd}, {&sc.m, size_t(P.Hq)}, {&sc.l, size_t(P.Hq)},
+                            {&sc.part, group * kMaxLanes}, {&sc.s[0], group}, {&sc.s[1], group}};
+  auto padded = [](size_t floats) { return (floats * sizeof(float) + 63) / 64 * 64; };
   size_t bytes = 0;
-  for (size_t n : sizes) bytes += (n * sizeof(float) + 63) / 64 * 64;
+  for (const Buffer& b : buffers) bytes += padded(b.floats);
   if (bytes > cap) {
     std::free(mem);
     mem = std::aligned_alloc(64, bytes);
     cap = mem ? bytes : 0;
     if (!mem) return false;
   }
-  float** dst[] = {&sc.q, &sc.acc, &sc.m, &sc.l, &sc.part, &sc.s[0], &sc.s[1]};
   char* p = static_cast<char*>(mem);
-  for (int i = 0; i < 7; ++i) {
-    *dst[i] = reinterpret_cast<float*>(p);
-    p += (sizes[i] * sizeof(float) + 63) / 64 * 64;
+  for (const Buffer& b : buffers) {
+    *b.dst = reinterpret_cast<float*>(p);
+    p += padded(b.floats);
   }
   sc.bsp = bsp;
   return true;
