@@ -30,6 +30,7 @@ import socket
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -85,12 +86,12 @@ class Case:
         self.scale = 1.0 / math.sqrt(head_dim)
         self._next = 0
 
-    def run(self, threads: int, table: int | None = None, hot: bool = False) -> None:
-        """One call over KV copy `table` (default: the next copy), or over the hot table."""
+    def run(self, threads: int, table: torch.Tensor | None = None) -> None:
+        """One call over block table `table`: one of `tables` or `hot_table` (default: the next KV copy's)."""
         if table is None:
-            table, self._next = self._next, (self._next + 1) % len(self.tables)
-        ca.paged_decode_attention(self.q, self.k_cache, self.v_cache, self.hot_table if hot else self.tables[table],
-                                  self.context_lens, self.scale, out=self.out, num_threads=threads)
+            table, self._next = self.tables[self._next], (self._next + 1) % len(self.tables)
+        ca.paged_decode_attention(self.q, self.k_cache, self.v_cache, table, self.context_lens, self.scale,
+                                  out=self.out, num_threads=threads)
 
     def check(self, threads: int) -> float:
         """Max relative error (per output row) against the float64 reference, on fp32 queries."""
@@ -110,22 +111,21 @@ def bench_case() -> Case:
     return Case(batch=32, context=1024, hq=32, hkv=8, head_dim=128, dtype=torch.float16, block_size=16)
 
 
-def kernel_gbps(case: Case, threads: int, reps: int, hot: bool = False) -> float:
+def median_seconds(call: Callable[[], object], reps: int) -> float:
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        case.run(threads, hot=hot)
+        call()
         times.append(time.perf_counter() - t0)
-    return case.kv_bytes / statistics.median(times) / 1e9
+    return statistics.median(times)
+
+
+def kernel_gbps(case: Case, threads: int, reps: int, table: torch.Tensor | None = None) -> float:
+    return case.kv_bytes / median_seconds(lambda: case.run(threads, table), reps) / 1e9
 
 
 def stream_gbps(buf: torch.Tensor, threads: int, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        ca.stream_read(buf, threads)
-        times.append(time.perf_counter() - t0)
-    return buf.numel() * buf.element_size() / statistics.median(times) / 1e9
+    return buf.numel() * buf.element_size() / median_seconds(lambda: ca.stream_read(buf, threads), reps) / 1e9
 
 
 def measure(case: Case, buf: torch.Tensor, threads: int, rounds: int, reps: int) -> tuple[float, float]:
@@ -141,8 +141,8 @@ def measure(case: Case, buf: torch.Tensor, threads: int, rounds: int, reps: int)
 
 def hot_gbps(case: Case, threads: int, rounds: int, reps: int) -> float:
     """Median over `rounds` of the kernel's speed with the KV in L2 (the hot table), after one warm-up."""
-    kernel_gbps(case, threads, 1, hot=True)
-    return statistics.median(kernel_gbps(case, threads, reps, hot=True) for _ in range(rounds))
+    kernel_gbps(case, threads, 1, case.hot_table)
+    return statistics.median(kernel_gbps(case, threads, reps, case.hot_table) for _ in range(rounds))
 
 
 def sweep(buf: torch.Tensor, max_threads: int, rounds: int, path: pathlib.Path) -> None:

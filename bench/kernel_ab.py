@@ -17,13 +17,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from kernel import BENCH_SHAPE, Case, bench_case  # noqa: E402
+from kernel import BENCH_SHAPE, Case, bench_case, median_seconds  # noqa: E402
 from neo_backend import cpu_attention as ca  # noqa: E402
 from neo_backend import kernel_build  # noqa: E402
 
@@ -47,9 +46,7 @@ def kernel_dir_at(rev: str, scratch: pathlib.Path) -> pathlib.Path:
 
 def timed_call(case: Case, lib: ctypes.CDLL, threads: int, table: int) -> float:
     with ca.using_library(lib):
-        start = time.perf_counter()
-        case.run(threads, table)
-        return time.perf_counter() - start
+        return median_seconds(lambda: case.run(threads, case.tables[table]), reps=1)
 
 
 def main() -> int:
