@@ -49,10 +49,11 @@ def engine_gauges(samples: list) -> dict[str, float]:
             "cpu": metric_value(samples, "neo_kv_blocks_used", pool="cpu")}
 
 
-def wait_drained(server: RunningServer, timeout: float = DRAIN_TIMEOUT_S) -> dict[str, float]:
-    """No request left in the engine and no KV block used in either pool, within `timeout`."""
+def wait_drained(server: RunningServer, timeout: float = DRAIN_TIMEOUT_S) -> list:
+    """The first scrape with no request left in the engine and no KV block used in either pool, within
+    `timeout`."""
     drained = {"requests": 0, "gpu": 0, "cpu": 0}
-    return engine_gauges(wait_for_metrics(server, lambda s: engine_gauges(s) == drained, "drained", timeout))
+    return wait_for_metrics(server, lambda s: engine_gauges(s) == drained, "drained", timeout)
 
 
 def assert_serves(server: RunningServer) -> None:
@@ -132,14 +133,13 @@ def test_cancellation_storm_leaves_no_stuck_request_or_leaked_block(server):
     assert all(r[2] >= 2 for r, _ in completed)
     interrupted_errors = [r[1] for r in results if r[0] != "complete" and r[1] is not None]
     assert all("cancel" in e.lower() for e in interrupted_errors), interrupted_errors[:5]
-    wait_drained(server)
-    samples = scrape_metrics(server.metrics_url)
+    samples = wait_drained(server)
     assert metric_value(samples, "neo_swapped_blocks_total", direction="out") > swapped_before, \
         "the storm should exercise the CPU pool (offload_policy=always)"
     print(f"storm: {n} streams, {len(completed)} completed, "
           f"{sum(r[0] == 'cancel' and not r[3] for r in results)} cancelled and "
           f"{sum(r[0] == 'drop' and not r[3] for r in results)} dropped before their end; "
-          f"after the drain: {engine_gauges(scrape_metrics(server.metrics_url))}")
+          f"after the drain: {engine_gauges(samples)}")
     assert_serves(server)
 
 
@@ -168,8 +168,7 @@ def test_burst_beyond_max_queue_size_is_refused_at_once_and_the_server_keeps_ser
         assert all(o[2] == 24 for o in served)
         # Refusals are immediate: far quicker than the served requests' whole generation.
         assert max(o[1] for o in refused) < 10.0, refused
-        wait_drained(small)
-        samples = scrape_metrics(small.metrics_url)
+        samples = wait_drained(small)
         assert metric_value(samples, "neo_request_failures_total", reason="queue_full") == len(refused)
         assert_serves(small)
         print(f"admission: burst {burst}, served {len(served)}, refused {len(refused)} "
