@@ -7,7 +7,11 @@ The trace: all requests arrive at once with random prompt token ids; each genera
 tokens (ignore_eos). Prefill tokens/s counts steps that carry prefill work, decode tokens/s decode-only steps.
 With --roofline: the decode step at batch 64, context 1024, over its floor (weight bytes + KV bytes read)
 / measured device copy bandwidth, and the prefill of 8 x 1000 tokens as a fraction of the measured bf16
-matmul rate in model FLOPs.
+matmul rate in model FLOPs. The ceilings are measured on the engine's own stream, so with --gpu-sm-count N
+they are the partition's; a decode step faster than the floor at that bandwidth means work escaped the
+partition, and the script exits with status 1.
+
+    python bench/engine.py --device cuda --roofline --gpu-sm-count 8   # an A10G-class partition of the H200
 """
 from __future__ import annotations
 
@@ -67,8 +71,9 @@ def roofline(engine: LLMEngine) -> dict:
     cfg = engine.model_config
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
     kv_bytes_per_token = engine.runner.block_bytes // engine.config.block_size
-    copy_bw = device_copy_bandwidth(device)
-    peak = matmul_flops(device)
+    with engine.runner.device_scope():
+        copy_bw = device_copy_bandwidth(device)
+        peak = matmul_flops(device)
 
     decode = run_trace(engine, 64, 1023, 9, seed=1)
     floor_s = (weight_bytes + 64 * 1024 * kv_bytes_per_token) / copy_bw
@@ -124,12 +129,17 @@ def main() -> int:
         profile(engine, args.num_requests, args.prompt_len, args.output_len)
     if args.roofline:
         result.update(roofline(engine))
+        result["gpu_sm_count"] = config.gpu_sm_count or torch.cuda.get_device_properties(0).multi_processor_count
     else:
         result.update(run_trace(engine, args.num_requests, args.prompt_len, args.output_len))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     for key, value in result.items():
         print(f"{key:32s} {value:.4g}" if isinstance(value, float) else f"{key:32s} {value}")
+    if args.roofline and result["decode_step_over_floor"] < 1.0:
+        print(f"FAIL: the decode step ran faster than its floor at the measured {result['copy_bandwidth_GBps']:.0f} "
+              f"GB/s: work escaped the engine's stream (and its SM partition)")
+        return 1
     return 0
 
 

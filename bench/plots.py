@@ -23,6 +23,10 @@ SCENARIOS = {  # name: (default input, title)
     "a_24gb": (RESULTS / "h200_serving_a_24gb.json", "(a) emulated 24 GB GPU"),
     "b_80gb": (RESULTS / "h200_serving_b_80gb.json", "(b) emulated 80 GB GPU"),
     "c_full": (RESULTS / "h200_serving_c_full.json", "(c) full H200"),
+    "d_a10g": (RESULTS / "h200_serving_d_a10g.json",
+               "(d) emulated A10G: 8 of 132 SMs, 24 GB, Llama-3-8B shape"),
+    "e_t4mem": (RESULTS / "h200_serving_e_t4mem.json",
+                "(e) emulated T4 memory: 8 SMs (twice a T4's bandwidth), 16 GB, Llama-2-7B shape"),
 }
 LATENCY_AXES = (("mean_per_token_latency_s", "mean per-token latency (s)"), ("tpot_p99_s", "P99 TPOT (s)"))
 
@@ -54,7 +58,11 @@ def plot_scenario(report: dict, title: str, png: Path) -> None:
         ax.grid(alpha=0.3)
     if report.get("slo_tpot_p99_s"):
         axes[1].axhline(report["slo_tpot_p99_s"], color="gray", linestyle="--", label="SLO")
-    axes[1].legend()
+    bound = (report.get("paper_metric") or {}).get("latency_bound_s")
+    if bound:
+        axes[0].axhline(bound, color="gray", linestyle="--", label="2x GPU-only at the lightest rate")
+    for ax in axes:
+        ax.legend()
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(png, dpi=120)
@@ -74,6 +82,8 @@ def scenario_summary(name: str, path: Path, title: str, out_dir: Path) -> dict:
         png = out_dir / f"h200_serving_{name}.png"
         plot_scenario(report, title, png)
         summary.update(neo_over_gpu_only=neo_over_gpu_only(report), plot=_shown(png),
+                       paper_metric=report.get("paper_metric"),
+                       offline_ratios_over_never=report.get("offline_ratios_over_never"),
                        slo_tpot_p99_s=report.get("slo_tpot_p99_s"),
                        best_throughput_under_slo=report.get("best_throughput_under_slo"))
         if summary["neo_over_gpu_only"] is None:

@@ -40,6 +40,10 @@ class EngineConfig:
     num_gpu_blocks: int | None = field(default=None, metadata={"help": "explicit GPU KV pool size in blocks"})
     gpu_memory_utilization: float = field(default=0.9, metadata={"help": "fraction of device memory for weights, "
                                                                          "activations and the KV pool"})
+    gpu_sm_count: int | None = field(default=None, metadata={
+        "help": "run every GPU operation on a partition of this many SMs (a CUDA green context; multiples of 8 "
+                "on Hopper); unset: the whole GPU. Memory is not partitioned: pair it with num_gpu_blocks or "
+                "gpu_memory_utilization"})
     # Batching
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -55,8 +59,10 @@ class EngineConfig:
         "help": "pin the engine loop thread to this CPU and CPU attention to the others; with other processes "
                 "kept off it, a busy host cannot slow the GPU path"})
     pipeline: str = field(default="auto", metadata={"choices": PIPELINE_MODES})
-    cpu_latency_slack: float = field(default=1.2, metadata={"help": "auto: an iteration with CPU work may take at "
-                                                                    "most this times its GPU part alone"})
+    cpu_latency_slack: float = field(default=2.0, metadata={
+        "help": "auto: an iteration with CPU work may take at most this times its GPU part alone (the pipeline's "
+                "second sub-batch reads the weights again, so on a memory-bound GPU a decode-only pipelined "
+                "iteration takes about twice its GPU part: under 2 it never runs beside a small GPU batch)"})
     cache_dir: str | None = field(default=None, metadata={"help": "converted tokenizers and performance profiles; "
                                                                    "default: $XDG_CACHE_HOME/neo-triton"})
     # Per-request limits (admission control)
@@ -76,7 +82,7 @@ class EngineConfig:
                 raise ConfigError(f"{f.name}={getattr(self, f.name)!r} is not one of {', '.join(choices)}")
         positive = ["block_size", "max_num_seqs", "max_num_batched_tokens", "max_queue_size", "max_prompt_bytes",
                     "max_tokens_cap", "max_stop_strings", "max_stop_string_len"]
-        optional_positive = ["num_gpu_blocks", "max_model_len", "cpu_attention_threads"]
+        optional_positive = ["num_gpu_blocks", "max_model_len", "cpu_attention_threads", "gpu_sm_count"]
         for name in positive + [n for n in optional_positive if getattr(self, n) is not None]:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")

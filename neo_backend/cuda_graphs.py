@@ -27,9 +27,11 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 
 def lane_buckets(max_batch: int) -> list[int]:
-    """Coarser than `batch_buckets`: a lane has (layers + 1) graphs per bucket, and padding a decode-only
-    segment costs little (its time is the weights' read)."""
-    sizes = [8 << i for i in range(max(1, max_batch).bit_length())]
+    """Coarser than `batch_buckets`, as a lane has (layers + 1) graphs per bucket: powers of two from 8 and the
+    sizes halfway up (24, 48, 96...), so no more than a third of a bucket is padding. Padded rows cost little
+    while the segment's time is the weights' read, but on a GPU of few SMs a batch of ~100 rows is already
+    compute-bound."""
+    sizes = [size for i in range(max(1, max_batch).bit_length()) for size in (8 << i, 12 << i)]
     return sorted({min(s, max_batch) for s in sizes})
 
 
@@ -108,12 +110,16 @@ class DecodeGraphs:
 
 
 def capture(fn, pool) -> tuple[torch.cuda.CUDAGraph, object]:
-    """Warm `fn` up outside the graph (Triton compiles, the allocator settles), then capture it."""
+    """Warm `fn` up outside the graph (Triton compiles, the allocator settles), then capture it: on the current
+    stream unless that is the default stream, which cannot capture. A graph replays on the SMs of the stream it
+    was captured on, so an SM partition's graphs must be captured on the partition's stream."""
     for _ in range(2):
         fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    current = torch.cuda.current_stream()
+    stream = None if current == torch.cuda.default_stream() else current
+    with torch.cuda.graph(graph, pool=pool, stream=stream):
         out = fn()
     return graph, out
 

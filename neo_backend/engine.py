@@ -9,8 +9,8 @@ from typing import Any, Iterable, Mapping
 
 from . import cpu_attention
 from .block_manager import BlockManager
-from .config import EngineConfig
-from .errors import InvalidRequestError, KernelError
+from .config import OFFLOAD_POLICIES, EngineConfig
+from .errors import ConfigError, InvalidRequestError, KernelError
 from .loader import load_tokenizer, read_model_config, resolve_source
 from .model_runner import ModelRunner
 from .outputs import RequestMetrics, RequestOutput
@@ -28,6 +28,7 @@ log = logging.getLogger("neo_backend")
 class EngineCounters:
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    gpu_decode_tokens: int = 0
     cpu_decode_tokens: int = 0
     modes: dict[str, int] = field(default_factory=dict)
     failures: dict[str, int] = field(default_factory=dict)
@@ -55,7 +56,9 @@ class LLMEngine:
         self.cpu_blocks = BlockManager(self.runner.num_cpu_blocks, self.config.block_size, "cpu")
         self.perf_model = None
         if self.runner.host_cache is not None:
-            self.perf_model = load_or_profile(self.runner, self.runner.host_cache, cpu_attention.get_num_threads())
+            with self.runner.device_scope():
+                self.perf_model = load_or_profile(self.runner, self.runner.host_cache,
+                                                  cpu_attention.get_num_threads())
         self.scheduler = Scheduler(self.config, self.gpu_blocks, self.cpu_blocks, self.runner.swapper,
                                    self.perf_model)
         log.info("offload policy %s, pipeline %s, host KV %d blocks, CPU attention threads %d",
@@ -107,6 +110,21 @@ class LLMEngine:
         self.counters.fail(reason)
         return self._finish(seq, "error")
 
+    def set_offload_policy(self, policy: str) -> None:
+        """Serve under another offload policy from now on, so a benchmark compares policies on one engine (same
+        weights, graphs and profile). Only while idle; `auto` and `always` need the host pool, which an engine
+        built under `never` does not have. The performance model's online corrections start over."""
+        if policy not in OFFLOAD_POLICIES:
+            raise ConfigError(f"offload_policy={policy!r} is not one of {', '.join(OFFLOAD_POLICIES)}")
+        if self.has_unfinished_requests():
+            raise ConfigError("the offload policy can change only while no request is in flight")
+        if policy != "never" and not self.cpu_blocks.num_blocks:
+            raise ConfigError(f"offload_policy={policy} needs the host KV pool, which this engine (built under "
+                              f"offload_policy={self.config.offload_policy}) does not have")
+        self.scheduler.policy = policy
+        if self.perf_model is not None:
+            self.perf_model.reset_observations()
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._seqs)
 
@@ -127,6 +145,7 @@ class LLMEngine:
             "cpu_blocks_total": self.cpu_blocks.num_blocks,
             "swap_out_blocks": sched.swap_out_blocks,
             "swap_in_blocks": sched.swap_in_blocks,
+            "gpu_decode_tokens": self.counters.gpu_decode_tokens,
             "cpu_decode_tokens": self.counters.cpu_decode_tokens,
             "modes": dict(self.counters.modes),
             "cpu_correction": round(self.perf_model.cpu_correction, 3) if self.perf_model else None,
@@ -137,6 +156,10 @@ class LLMEngine:
     # Stepping ---------------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        with self.runner.device_scope():
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
@@ -202,6 +225,7 @@ class LLMEngine:
     def _record_iteration(self, batch, start: float, host_seconds: float) -> None:
         c = self.counters
         c.prompt_tokens += batch.num_prefill_tokens
+        c.gpu_decode_tokens += len(batch.gpu_decodes)
         c.cpu_decode_tokens += len(batch.cpu_decodes)
         c.modes[batch.mode] = c.modes.get(batch.mode, 0) + 1
         measured = time.monotonic() - start

@@ -88,10 +88,11 @@ class _PendingSwapOut:
 
 class BlockSwapper:
     def __init__(self, device_k: list[torch.Tensor], device_v: list[torch.Tensor], host: HostKVCache,
-                 device: torch.device) -> None:
+                 device: torch.device, stream: torch.cuda.Stream | None = None) -> None:
+        """`stream`: where the copies run on CUDA (default: a new stream)."""
         self.device_k, self.device_v, self.host = device_k, device_v, host
         self.device = device
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.stream = stream or (torch.cuda.Stream(device) if device.type == "cuda" else None)
         self._pending: list[_PendingSwapOut] = []
         self._swap_in_done: torch.cuda.Event | None = None
 

@@ -4,12 +4,14 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import ContextManager
 
 import torch
 
 from . import cpu_attention
 from .config import EngineConfig, ModelConfig
 from .cuda_graphs import DecodeGraphs, DecodeInputs, LaneGraphs
+from .gpu_partition import SmPartition, device_scope
 from .host_kv import BlockSwapper, HostAttention, HostDecodeBatch, HostKVCache, host_available_bytes
 from .layers.attention import AttentionMetadata, PrefillChunk
 from .layers.sampler import SampleResult, Sampler
@@ -47,18 +49,24 @@ class ModelRunner:
         self.device = resolve_device(config)
         self.dtype = resolve_dtype(config, self.device)
         self.block_size = config.block_size
-        self.model = load_model(source, model_cfg, max_model_len, self.dtype, self.device)
-        self.sampler = Sampler(eos_token_ids, config.default_seed)
-        self.num_gpu_blocks = config.num_gpu_blocks or self._profile_num_blocks()
-        # one block beyond the pool: the scratch block that padded CUDA-graph rows write to
-        self.k_caches, self.v_caches = self._allocate_kv(self.num_gpu_blocks + 1)
-        log.info("device KV pool: %d blocks x %d tokens (%.2f GiB, %s on %s)", self.num_gpu_blocks,
-                 self.block_size, self.num_gpu_blocks * self.block_bytes / 2 ** 30, self.dtype, self.device)
-        self.decode_graphs: DecodeGraphs | None = None
-        self.max_blocks_per_seq = (max_model_len + self.block_size - 1) // self.block_size
-        if self.device.type == "cuda" and not config.enforce_eager:
-            self.decode_graphs = DecodeGraphs(self.model, self._decode_inputs())
-        self._init_offload(config, model_cfg)
+        self.partition = SmPartition(config.gpu_sm_count, self.device) if config.gpu_sm_count else None
+        with self.device_scope():
+            self.model = load_model(source, model_cfg, max_model_len, self.dtype, self.device)
+            self.sampler = Sampler(eos_token_ids, config.default_seed)
+            self.num_gpu_blocks = config.num_gpu_blocks or self._profile_num_blocks()
+            # one block beyond the pool: the scratch block that padded CUDA-graph rows write to
+            self.k_caches, self.v_caches = self._allocate_kv(self.num_gpu_blocks + 1)
+            log.info("device KV pool: %d blocks x %d tokens (%.2f GiB, %s on %s)", self.num_gpu_blocks,
+                     self.block_size, self.num_gpu_blocks * self.block_bytes / 2 ** 30, self.dtype, self.device)
+            self.decode_graphs: DecodeGraphs | None = None
+            self.max_blocks_per_seq = (max_model_len + self.block_size - 1) // self.block_size
+            if self.device.type == "cuda" and not config.enforce_eager:
+                self.decode_graphs = DecodeGraphs(self.model, self._decode_inputs())
+            self._init_offload(config, model_cfg)
+
+    def device_scope(self) -> ContextManager:
+        """Where every GPU operation of the engine runs: the SM partition's stream, or the current one."""
+        return device_scope(self.partition)
 
     def _decode_inputs(self) -> DecodeInputs:
         return DecodeInputs(self.device, self.config.max_num_seqs, self.max_blocks_per_seq,
@@ -83,7 +91,8 @@ class ModelRunner:
         if num_cpu_blocks == 0:
             return
         self.host_cache = HostKVCache(model_cfg, num_cpu_blocks, self.block_size, self.dtype)
-        self.swapper = BlockSwapper(self.k_caches, self.v_caches, self.host_cache, self.device)
+        self.swapper = BlockSwapper(self.k_caches, self.v_caches, self.host_cache, self.device,
+                                    self.partition.copy if self.partition else None)
         self.host_attention = HostAttention(self.host_cache, model_cfg.head_dim ** -0.5, self.device,
                                             config.cpu_attention_threads, config.engine_cpu)
         self.pipeline = PipelinedExecutor(self.host_attention, self._capture_lane_graphs())

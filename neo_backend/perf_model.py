@@ -1,13 +1,16 @@
 """NEO's performance model: predicted iteration time by mode, profiled at start-up and corrected online.
 
-Times are per iteration, all layers: dense work (linear/FFN/norms/logits) grows with the batch's tokens,
-device decode attention with its context tokens, host decode attention with requests and context tokens.
+Times are per iteration, all layers: dense work (linear/FFN/norms/logits) by the batch's tokens, interpolated
+between profiled token counts (flat while the weights' read dominates, then rising with the FLOPs: no one line
+fits both a decode batch and a prefill chunk on a small GPU), device decode attention by its context tokens,
+host decode attention by requests and context tokens.
 The host term is scaled by `cpu_correction`, an exponential average of measured over predicted host time,
 so CPU contention from other processes makes the scheduler hand the CPU less work (the fail-safe); whole
 iterations are watched too, and `offload_slowdown` scales every prediction that involves CPU work.
 """
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import time
@@ -23,8 +26,8 @@ RECOVERY = 0.02   # per iteration without CPU work, the corrections drift back t
 
 @dataclass
 class PerfModel:
-    dense_fixed: float
-    dense_per_token: float
+    dense_tokens: list[int]          # profiled token counts, ascending
+    dense_seconds: list[float]       # dense time at each, non-decreasing
     gpu_attn_per_token: float
     cpu_attn_fixed: float
     cpu_attn_per_request: float
@@ -34,7 +37,15 @@ class PerfModel:
     offload_ratio: float | None = None  # measured / predicted time of iterations with CPU work, once seen
 
     def dense(self, tokens: int) -> float:
-        return self.dense_fixed + self.dense_per_token * tokens if tokens else 0.0
+        """Piecewise linear through the profiled points; the last segment extends beyond them."""
+        if not tokens:
+            return 0.0
+        xs, ys = self.dense_tokens, self.dense_seconds
+        if len(xs) == 1 or tokens <= xs[0]:
+            return ys[0]
+        i = min(bisect.bisect_left(xs, tokens), len(xs) - 1)
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
 
     def gpu_attention(self, context_tokens: int) -> float:
         return self.gpu_attn_per_token * context_tokens
@@ -61,6 +72,10 @@ class PerfModel:
         kernel timings miss (transfers, synchronisation, launch gaps, a busy host)."""
         return 1.0 if self.offload_ratio is None else self.offload_ratio / self.gpu_only_ratio
 
+    def reset_observations(self) -> None:
+        """Back to the profile: what serving measured so far is forgotten."""
+        self.cpu_correction, self.gpu_only_ratio, self.offload_ratio = 1.0, 1.0, None
+
     def observe_cpu(self, predicted: float, measured: float) -> None:
         if predicted <= 0 or measured <= 0:
             return
@@ -80,16 +95,6 @@ class PerfModel:
         self.cpu_correction += RECOVERY * (1.0 - self.cpu_correction)
         if self.offload_ratio is not None:
             self.offload_ratio += RECOVERY * (self.gpu_only_ratio - self.offload_ratio)
-
-
-def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
-    """Least-squares (intercept, slope), both clamped at >= 0."""
-    n = len(xs)
-    mx, my = sum(xs) / n, sum(ys) / n
-    var = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
-    slope = max(slope, 0.0)
-    return max(my - slope * mx, 0.0), slope
 
 
 def fit_plane(rows: list[tuple[float, float]], ys: list[float]) -> tuple[float, float, float]:
@@ -116,9 +121,9 @@ def median_time(fn: Callable[[], None], sync: Callable[[], None], reps: int = 5)
 def load_cached(path: Path) -> PerfModel | None:
     try:
         data = json.loads(path.read_text())
-        for online in ("cpu_correction", "gpu_only_ratio", "offload_ratio"):
-            data.pop(online, None)
-        return PerfModel(**data)
+        model = PerfModel(**data)
+        model.reset_observations()
+        return model
     except (OSError, ValueError, TypeError):
         return None
 

@@ -12,11 +12,12 @@ from . import cpu_attention
 from .host_kv import HostDecodeBatch
 from .layers.attention import AttentionMetadata
 from .layers.paged_decode import decode_attention
-from .perf_model import PerfModel, fit_line, fit_plane, load_cached, median_time, save
+from .perf_model import PerfModel, fit_plane, load_cached, median_time, save
 
 log = logging.getLogger("neo_backend")
 
-CPU_DEVICE_MAX_PROFILE_TOKENS = 256  # the torch-on-CPU "device" of tests is slow; the fit stays linear
+CPU_DEVICE_MAX_PROFILE_TOKENS = 256  # the torch-on-CPU "device" of tests is slow
+DENSE_PROFILE_TOKENS = (1, 8, 16, 32, 64, 128, 256, 512, 1024)  # and the iteration's token budget
 
 
 def load_or_profile(runner, host_cache, threads: int) -> PerfModel:
@@ -25,7 +26,8 @@ def load_or_profile(runner, host_cache, threads: int) -> PerfModel:
     key_fields = {"model": asdict(cfg), "dtype": str(runner.dtype), "device": device_name, "threads": threads,
                   "block_size": runner.block_size, "max_tokens": runner.config.max_num_batched_tokens,
                   "isa": cpu_attention.active_isa(),
-                  "cuda_graphs": runner.decode_graphs is not None, "version": 3}
+                  "cuda_graphs": runner.decode_graphs is not None, "gpu_sm_count": runner.config.gpu_sm_count,
+                  "version": 4}
     key = hashlib.sha256(json.dumps(key_fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
     path = runner.config.cache_path / "profiles" / f"{key}.json"
     cached = load_cached(path)
@@ -49,18 +51,18 @@ def _profile(runner, host_cache) -> PerfModel:
     max_tokens = min(runner.config.max_num_batched_tokens, runner.num_gpu_blocks * bs)
     if runner.device.type != "cuda":
         max_tokens = min(max_tokens, CPU_DEVICE_MAX_PROFILE_TOKENS)
-    token_counts = sorted({1, 8, 32, max(1, max_tokens // 4), max_tokens})
+    token_counts = sorted({t for t in DENSE_PROFILE_TOKENS if t < max_tokens} | {max_tokens})
     dense_times = []
     for i, tokens in enumerate(token_counts):
         log.info("profiling dense layers (%d/%d): %d tokens", i + 1, len(token_counts), tokens)
-        dense_times.append(median_time(lambda: _dense_forward(runner, tokens), sync, reps=3))
-    dense_fixed, dense_per_token = fit_line(token_counts, dense_times)
+        measured = median_time(lambda: _dense_forward(runner, tokens), sync, reps=3)
+        dense_times.append(max(measured, dense_times[-1] if dense_times else 0.0))  # more tokens never cost less
 
     log.info("profiling device decode attention")
     gpu_per_token = _gpu_attention_per_token(runner, sync) * cfg.num_layers
     log.info("profiling host decode attention (%d threads)", cpu_attention.get_num_threads())
     cpu_fixed, cpu_per_req, cpu_per_tok = _cpu_attention_fit(runner, host_cache)
-    return PerfModel(dense_fixed, dense_per_token, gpu_per_token, cpu_fixed, cpu_per_req, cpu_per_tok)
+    return PerfModel(token_counts, dense_times, gpu_per_token, cpu_fixed, cpu_per_req, cpu_per_tok)
 
 
 def _dense_forward(runner, tokens: int) -> None:

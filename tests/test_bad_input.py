@@ -77,10 +77,19 @@ def test_streaming_cancel_frees_blocks(front):
     ({"gpu_memory_utilization": "1.5"}, "gpu_memory_utilization"),
     ({"num_gpu_blocks": "many"}, "num_gpu_blocks"),
     ({"no_such_knob": "1"}, "unknown parameter 'no_such_knob'"),
+    ({"gpu_sm_count": "0"}, "gpu_sm_count must be positive"),
+    ({"gpu_sm_count": "eight"}, "gpu_sm_count='eight' is not a valid int"),
 ])
 def test_bad_knobs_raise_config_error(values, needle):
     with pytest.raises(ConfigError, match=needle):
         EngineConfig.from_strings(values)
+
+
+def test_an_sm_partition_needs_cuda(tiny_model_dirs):
+    """Where a partition cannot work the engine refuses to start with a message saying what to change: here no
+    CUDA device (on CUDA, a torch without green contexts, a count the device cannot partition, too many SMs)."""
+    with pytest.raises(ConfigError, match="gpu_sm_count=8 needs a CUDA device, but the engine runs on cpu"):
+        LLMEngine(EngineConfig(model=str(tiny_model_dirs["llama3"]), device="cpu", gpu_sm_count=8))
 
 
 def test_model_path_without_weights(tmp_path):

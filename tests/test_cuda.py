@@ -72,14 +72,17 @@ def test_cuda_logits_match_cpu_engine(tiny_model_dirs):
     assert outs["cuda"].cumulative_logprob == pytest.approx(outs["cpu"].cumulative_logprob, rel=1e-2, abs=1e-2)
 
 
-@pytest.mark.parametrize("policy,pipeline", [("always", "off"), ("always", "on"), ("auto", "auto")])
-def test_cuda_greedy_unchanged_by_offload(tiny_model_dirs, policy, pipeline, monkeypatch):
+@pytest.mark.parametrize("policy,pipeline,sm_count", [
+    ("always", "off", None), ("always", "on", None), ("auto", "auto", None),
+    ("never", "auto", 8), ("always", "on", 8), ("auto", "auto", 8)])
+def test_cuda_greedy_unchanged_by_offload(tiny_model_dirs, policy, pipeline, sm_count, monkeypatch):
+    """Against the whole GPU under `never`: the same tokens with offloading, and on an 8-SM partition."""
     prompts, max_tokens = _mixed_requests(32, seed=21)
     base = LLMEngine(EngineConfig(model=str(tiny_model_dirs["llama3"]), device="cuda", dtype="float32",
                                   num_gpu_blocks=512, block_size=16, offload_policy="never"))
     expected = _collect(base, prompts, max_tokens, stagger=True)
     engine = LLMEngine(EngineConfig(model=str(tiny_model_dirs["llama3"]), device="cuda", dtype="float32",
-                                    num_gpu_blocks=24,
+                                    num_gpu_blocks=24, gpu_sm_count=sm_count,
                                     block_size=16, offload_policy=policy, pipeline=pipeline,
                                     cpu_kv_cache_gb=0.05, max_num_batched_tokens=128, cpu_latency_slack=1000.0))
     if policy == "auto":
@@ -92,7 +95,44 @@ def test_cuda_greedy_unchanged_by_offload(tiny_model_dirs, policy, pipeline, mon
             monkeypatch.setattr(engine.perf_model, observe, lambda *args: None)
     assert _collect(engine, prompts, max_tokens, stagger=True) == expected
     stats = engine.stats_snapshot()
-    assert stats["cpu_decode_tokens"] > 0 and stats["gpu_blocks_used"] == 0 and stats["cpu_blocks_used"] == 0
+    assert (stats["cpu_decode_tokens"] > 0) == (policy != "never")
+    assert stats["gpu_blocks_used"] == 0 and stats["cpu_blocks_used"] == 0
+
+
+def _decode_graph_seconds(engine: LLMEngine, batch: int = 64, reps: int = 20) -> float:
+    """Median time of one replay of the engine's captured decode graph, on the engine's stream."""
+    graphs = engine.runner.decode_graphs
+    with engine.runner.device_scope():
+        graph = graphs.graphs[batch]
+        graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(reps):
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[reps // 2]
+
+
+def test_sm_partition_confines_a_bandwidth_bound_step(tmp_path, tiny_model_dirs):
+    """A decode step of 2.4 GB of bf16 weights reads them at the partition's bandwidth: 8 of the H200's 132 SMs
+    copy at ~0.64 TB/s against ~4.2 TB/s, so the step runs at most ~1/4 of its full-GPU speed."""
+    import json
+
+    config = {"architectures": ["LlamaForCausalLM"], "vocab_size": 32000, "hidden_size": 2048,
+              "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 16,
+              "num_key_value_heads": 16, "head_dim": 128, "max_position_embeddings": 2048}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    times = {}
+    for sm_count in (None, 8):
+        engine = LLMEngine(EngineConfig(model=str(tmp_path), load_format="dummy", tokenizer=str(tiny_model_dirs["llama3"]),
+                                        device="cuda", num_gpu_blocks=256, max_num_seqs=64, offload_policy="never",
+                                        gpu_sm_count=sm_count))
+        times[sm_count] = _decode_graph_seconds(engine)
+        del engine
+    assert times[8] >= 4 * times[None], times
 
 
 def test_swaps_copy_the_right_blocks_while_the_compute_stream_moves_on():

@@ -1,0 +1,170 @@
+"""The real scheduler on a simulated clock: what each offload policy serves on a roofline-shaped GPU and host.
+
+    python bench/simulate.py --setting a10g --rates 0.5 1 1.5 2 2.5 3 --policies never auto always
+
+Each iteration the engine's `Scheduler` plans as in serving; the iteration then takes the time the cost model
+gives for its mode (GPU-only, sequential or pipelined, the same formulas as `PerfModel`) plus its swap traffic
+over PCIe, and every scheduled request advances. The cost model is built from a device's bandwidth and matrix
+rate and the host's attention bandwidth (`Roofline`); the defaults of each setting are the H200's 8-SM
+partition and its 16-core host as measured (bench/RESULTS.md). A design tool for the policy, run in seconds on
+a laptop; it says nothing about the engine's own overheads, which only `bench/serving.py` on the GPU measures.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+from serving import Record, make_trace, paper_metric, summarize  # noqa: E402
+from neo_backend import EngineConfig, ModelConfig, SamplingParams  # noqa: E402
+from neo_backend.block_manager import BlockManager  # noqa: E402
+from neo_backend.host_kv import BlockSwapper, HostKVCache  # noqa: E402
+from neo_backend.perf_model import PerfModel  # noqa: E402
+from neo_backend.scheduler import Scheduler, SchedulerOutput  # noqa: E402
+from neo_backend.sequence import Sequence  # noqa: E402
+
+BLOCK_SIZE = 16
+PCIE_BYTES_PER_S = 25e9   # pinned copies one way, about half of what the H200 host measured (an A10G's Gen4)
+_TINY = ModelConfig(vocab_size=8, hidden_size=4, intermediate_size=4, num_layers=1, num_heads=1, num_kv_heads=1,
+                    head_dim=4)
+
+
+@dataclass
+class Roofline:
+    """Iteration costs of a dense decoder on a device of `gpu_bw` bytes/s and `gpu_flops`, beside a host whose
+    attention reads `cpu_bw` bytes/s."""
+    weight_bytes: float
+    kv_bytes_per_token: float
+    gpu_bw: float
+    gpu_flops: float
+    cpu_bw: float
+    cpu_per_request_s: float = 20e-6
+    step_overhead_s: float = 1e-3
+
+    def dense(self, tokens: int) -> float:
+        flops = 2 * self.weight_bytes / 2 * tokens   # bf16: params = bytes / 2, 2 FLOPs per param and token
+        return max(self.weight_bytes / self.gpu_bw, flops / self.gpu_flops) + self.step_overhead_s
+
+    def perf_model(self) -> PerfModel:
+        points = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048]
+        return PerfModel(points, [self.dense(t) for t in points], self.kv_bytes_per_token / self.gpu_bw, 0.0,
+                         self.cpu_per_request_s, self.kv_bytes_per_token / self.cpu_bw)
+
+
+def setting(name: str, sm8_bw: float = 637e9, sm8_flops: float = 55e12, host_bw: float = 80e9) -> tuple[Roofline, int, float]:
+    """(cost model, device KV blocks, host KV GiB) of the emulated settings."""
+    if name == "a10g":   # Llama-3-8B (GQA 8 KV heads), 24 GB: 3606 blocks as bench/serving.py sizes it
+        return Roofline(16.06e9, 2 * 32 * 8 * 128 * 2, sm8_bw, sm8_flops, host_bw), 3606, 32.0
+    if name == "t4mem":  # Llama-2-7B (MHA), 16 GB
+        return Roofline(13.5e9, 2 * 32 * 32 * 128 * 2, sm8_bw, sm8_flops, host_bw), 185, 48.0
+    raise ValueError(name)
+
+
+def iteration_time(perf: PerfModel, out: SchedulerOutput) -> float:
+    tokens, ctx = Scheduler._gpu_work(out)
+    cpu = [len(s.token_ids) for s in out.cpu_decodes]
+    if out.pipelined:
+        split = out.split
+        return perf.pipelined(tokens, ctx, (split, sum(cpu[:split])), (len(cpu) - split, sum(cpu[split:])))
+    return perf.sequential(tokens, ctx, len(cpu), sum(cpu))
+
+
+def simulate(policy: str, roof: Roofline, gpu_blocks: int, cpu_gb: float, trace, knobs: dict) -> tuple[list, dict]:
+    config = EngineConfig(offload_policy=policy, block_size=BLOCK_SIZE, **knobs)
+    block_bytes = roof.kv_bytes_per_token * BLOCK_SIZE
+    cpu_blocks = int(cpu_gb * 2 ** 30 // block_bytes) if policy != "never" else 0
+    perf = roof.perf_model()
+    shape = (gpu_blocks, BLOCK_SIZE, 1, 4)
+    host = HostKVCache(_TINY, max(cpu_blocks, 1), BLOCK_SIZE, torch.float32)
+    swapper = BlockSwapper([torch.zeros(shape)], [torch.zeros(shape)], host, torch.device("cpu"))
+    sched = Scheduler(config, BlockManager(gpu_blocks, BLOCK_SIZE, "gpu"), BlockManager(cpu_blocks, BLOCK_SIZE, "cpu"),
+                      swapper, perf)
+    records = [Record(offset) for offset, _, _ in trace]
+    seqs = [Sequence(f"r{i}", None, prompt, SamplingParams(max_tokens=out, ignore_eos=True), arrival_time=offset)
+            for i, (offset, prompt, out) in enumerate(trace)]
+    clock, next_arrival, live = 0.0, 0, {}
+    stats = {"iterations": 0, "gpu_decode_rows": 0, "cpu_decode_rows": 0, "modes": {}}
+    while next_arrival < len(seqs) or live:
+        while next_arrival < len(seqs) and seqs[next_arrival].arrival_time <= clock:
+            seq = seqs[next_arrival]
+            sched.add(seq)
+            live[seq.request_id] = next_arrival
+            next_arrival += 1
+        swapped = sched.swap_out_blocks + sched.swap_in_blocks
+        out = sched.schedule()
+        if out.is_empty:
+            clock = seqs[next_arrival].arrival_time if next_arrival < len(seqs) else clock + 1e-3
+            continue
+        swapped = sched.swap_out_blocks + sched.swap_in_blocks - swapped
+        clock += iteration_time(perf, out) + swapped * block_bytes / PCIE_BYTES_PER_S
+        stats["iterations"] += 1
+        stats["gpu_decode_rows"] += len(out.gpu_decodes)
+        stats["cpu_decode_rows"] += len(out.cpu_decodes)
+        stats["modes"][out.mode] = stats["modes"].get(out.mode, 0) + 1
+        for seq, n in out.scheduled():
+            seq.num_computed_tokens += n
+            if seq.num_computed_tokens < len(seq.token_ids):
+                continue
+            seq.token_ids.append(0)
+            rec = records[live[seq.request_id]]
+            rec.first = rec.first if rec.first is not None else clock
+            rec.tokens += 1
+            rec.token_times.append(clock)
+            if seq.num_output_tokens >= seq.params.max_tokens:
+                rec.end = clock
+                sched.remove(seq)
+                del live[seq.request_id]
+        sched.offload([s for s in out.offload_after_step if s.request_id in live])
+    stats.update(preemptions=sched.num_preemptions, swap_out_blocks=sched.swap_out_blocks,
+                 swap_in_blocks=sched.swap_in_blocks)
+    return records, stats
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--setting", choices=["a10g", "t4mem"], default="a10g")
+    parser.add_argument("--policies", nargs="+", default=["never", "auto", "always"])
+    parser.add_argument("--rates", nargs="+", type=float, default=[0.5, 1, 1.5, 2, 2.5, 3])
+    parser.add_argument("--num-requests", type=int, default=300)
+    parser.add_argument("--warmup-seconds", type=float, default=60.0,
+                        help="requests arriving this early in a trace are left out of its figures")
+    parser.add_argument("--host-bw", type=float, default=80e9)
+    parser.add_argument("--knob", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"),
+                        help="an EngineConfig knob, e.g. --knob cpu_latency_slack 2")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    roof, gpu_blocks, cpu_gb = setting(args.setting, host_bw=args.host_bw)
+    knobs = EngineConfig.from_strings(dict(args.knob)).__dict__
+    knobs = {k: knobs[k] for k, _ in args.knob}
+    results: dict[str, list[dict]] = {}
+    for policy in args.policies:
+        results[policy] = []
+        for rate in args.rates:
+            trace = make_trace(args.num_requests, rate, "a10g", 1000, int(rate * 1000))
+            records, stats = simulate(policy, roof, gpu_blocks, cpu_gb, trace, knobs)
+            measured = [r for r in records if r.start >= args.warmup_seconds]
+            row = {"rate": rate, **summarize(measured), "stats": stats}
+            results[policy].append(row)
+            print(f"{policy:6s} rate {rate:5.2f}: {row['output_tokens_per_s']:6.0f} tok/s  per-token "
+                  f"{row['mean_per_token_latency_s']:.3f} s  TPOT p99 {row['tpot_p99_s']:.3f}  TTFT p50 "
+                  f"{row['ttft_p50_s']:.2f} p99 {row['ttft_p99_s']:.2f}  rows gpu/cpu "
+                  f"{stats['gpu_decode_rows'] / stats['iterations']:.1f}/"
+                  f"{stats['cpu_decode_rows'] / stats['iterations']:.1f}  modes {stats['modes']}  "
+                  f"preempt {stats['preemptions']} swap out/in {stats['swap_out_blocks']}/{stats['swap_in_blocks']}",
+                  flush=True)
+    metric = paper_metric(results)
+    print(json.dumps(metric))
+    if args.json:
+        args.json.write_text(json.dumps({"metric": metric, "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
