@@ -2,18 +2,23 @@
 
 Work is confined to the partition only when it is launched on a stream made from the green context: kernels,
 copies, cuBLAS, Triton kernels and CUDA graphs captured on such a stream stay inside it, while anything on an
-ordinary stream (a graph captured on one too) runs on every SM. So the engine launches everything on
-`compute` (made current for model loading, profiling, capture and every step, on whichever thread runs them)
-and swaps on `copy`, a second stream of the same context. The context must outlive every tensor and event
-made on its streams, so it lives as long as the engine's runner.
+ordinary stream (a graph captured on one too) runs on every SM. So the engine's runner launches everything on
+a compute stream of the partition (made current for model loading, profiling, capture and every step, on
+whichever thread runs them) and swaps on a second one.
 
-Two engines (two Triton models) can share one GPU this way, each on its own SMs; memory is not partitioned.
+A green context destroyed while tensors, graphs or events made on its streams still exist aborts the process
+(also at interpreter exit, where nothing orders the teardown), so each context is made once per process and
+SM count (`sm_partition`) and never destroyed.
+
+Limits: memory is not partitioned (pair the knob with `num_gpu_blocks` or `gpu_memory_utilization`), and the
+partition is the device's first N SMs (torch's `GreenContext.create` takes a count, not a set), so engines in
+one or several processes asking for N SMs share the same N: the knob caps what an engine may use, it does not
+give two engines disjoint SMs.
 """
 from __future__ import annotations
 
-import contextlib
+import ctypes
 import logging
-from typing import ContextManager
 
 import torch
 
@@ -30,20 +35,30 @@ class SmPartition:
         from torch.cuda.green_contexts import GreenContext
 
         index = device.index if device.index is not None else torch.cuda.current_device()
-        torch.cuda.init()
+        torch.empty(1, device=device)  # the primary context, which the green context is made beside
         try:
             self.context = GreenContext.create(num_sms=num_sms, device_id=index)
         except RuntimeError as exc:
             raise ConfigError(f"gpu_sm_count={num_sms}: the driver could not create the partition ({exc})") from None
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(self.context))  # never destroyed, not even at exit
         self.num_sms = num_sms
-        self.compute = self.context.Stream()
-        self.copy = self.context.Stream()
         log.info("GPU partition: %d of %d SMs (a green context; every GPU operation runs on its streams)", num_sms,
                  torch.cuda.get_device_properties(index).multi_processor_count)
 
-    def scope(self) -> ContextManager:
-        """Make the partition's compute stream current on this thread for the block."""
-        return torch.cuda.stream(self.compute)
+    def stream(self) -> torch.cuda.Stream:
+        """A stream whose work runs on the partition's SMs (the context hands out its pool in turn)."""
+        return self.context.Stream()
+
+
+_PARTITIONS: dict[tuple[int, int], SmPartition] = {}
+
+
+def sm_partition(num_sms: int, device: torch.device) -> SmPartition:
+    """The process's partition of `num_sms` SMs on `device`, made on first use."""
+    key = (device.index if device.index is not None else -1, num_sms)
+    if key not in _PARTITIONS:
+        _PARTITIONS[key] = SmPartition(num_sms, device)
+    return _PARTITIONS[key]
 
 
 def check_partition(num_sms: int, device: torch.device) -> None:
@@ -62,7 +77,3 @@ def check_partition(num_sms: int, device: torch.device) -> None:
     if props.major >= 9 and num_sms % HOPPER_SM_GRANULARITY:
         raise ConfigError(f"gpu_sm_count={num_sms}: {props.name} partitions in multiples of "
                           f"{HOPPER_SM_GRANULARITY} SMs")
-
-
-def device_scope(partition: SmPartition | None) -> ContextManager:
-    return partition.scope() if partition is not None else contextlib.nullcontext()

@@ -1,6 +1,7 @@
 """Owns the model and the device KV pool; turns a scheduled batch into tensors, runs it, samples."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -11,7 +12,7 @@ import torch
 from . import cpu_attention
 from .config import EngineConfig, ModelConfig
 from .cuda_graphs import DecodeGraphs, DecodeInputs, LaneGraphs
-from .gpu_partition import SmPartition, device_scope
+from .gpu_partition import sm_partition
 from .host_kv import BlockSwapper, HostAttention, HostDecodeBatch, HostKVCache, host_available_bytes
 from .layers.attention import AttentionMetadata, PrefillChunk
 from .layers.sampler import SampleResult, Sampler
@@ -49,7 +50,8 @@ class ModelRunner:
         self.device = resolve_device(config)
         self.dtype = resolve_dtype(config, self.device)
         self.block_size = config.block_size
-        self.partition = SmPartition(config.gpu_sm_count, self.device) if config.gpu_sm_count else None
+        self.partition = sm_partition(config.gpu_sm_count, self.device) if config.gpu_sm_count else None
+        self.compute_stream = self.partition.stream() if self.partition else None
         with self.device_scope():
             self.model = load_model(source, model_cfg, max_model_len, self.dtype, self.device)
             self.sampler = Sampler(eos_token_ids, config.default_seed)
@@ -65,8 +67,8 @@ class ModelRunner:
             self._init_offload(config, model_cfg)
 
     def device_scope(self) -> ContextManager:
-        """Where every GPU operation of the engine runs: the SM partition's stream, or the current one."""
-        return device_scope(self.partition)
+        """Where every GPU operation of the engine runs: a stream of the SM partition, or the current one."""
+        return torch.cuda.stream(self.compute_stream) if self.compute_stream else contextlib.nullcontext()
 
     def _decode_inputs(self) -> DecodeInputs:
         return DecodeInputs(self.device, self.config.max_num_seqs, self.max_blocks_per_seq,
@@ -92,7 +94,7 @@ class ModelRunner:
             return
         self.host_cache = HostKVCache(model_cfg, num_cpu_blocks, self.block_size, self.dtype)
         self.swapper = BlockSwapper(self.k_caches, self.v_caches, self.host_cache, self.device,
-                                    self.partition.copy if self.partition else None)
+                                    self.partition.stream() if self.partition else None)
         self.host_attention = HostAttention(self.host_cache, model_cfg.head_dim ** -0.5, self.device,
                                             config.cpu_attention_threads, config.engine_cpu)
         self.pipeline = PipelinedExecutor(self.host_attention, self._capture_lane_graphs())
