@@ -106,6 +106,40 @@ def pct(values: list[float], q: float) -> float | None:
     return values[min(len(values) - 1, int(q / 100 * len(values)))]
 
 
+class IterationLog:
+    """Samples the engine's stats after each iteration (the loop thread publishes a fresh snapshot per step) into
+    JSON lines: mode, rows, predicted and measured time, the performance model's corrections, queues, swaps."""
+
+    def __init__(self, front: StreamingEngine, path: Path | None) -> None:
+        self.front, self.file = front, path.open("w") if path else None
+        self.label, self._stop, self._thread = "", threading.Event(), None
+
+    def start(self, label: str) -> None:
+        if self.file is None:
+            return
+        self.label, self._stop = label, threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self.file.flush()
+
+    def _sample(self) -> None:
+        last, t0 = None, time.perf_counter()
+        while not self._stop.wait(0.002):
+            stats = self.front.stats()
+            if stats["last_iteration"] is last:
+                continue
+            last = stats["last_iteration"]
+            keys = ("requests_waiting", "requests_gpu_decode", "requests_cpu_decode", "gpu_blocks_used",
+                    "swap_out_blocks", "swap_in_blocks", "preemptions", "cpu_correction", "offload_slowdown")
+            row = {"run": self.label, "t": round(time.perf_counter() - t0, 4), **last, **{k: stats[k] for k in keys}}
+            self.file.write(json.dumps(row) + "\n")
+
+
 def decode_batches(before: dict, after: dict) -> dict:
     """Mean decode rows per iteration on each side between two engine stats snapshots."""
     iterations = sum(after["modes"].values()) - sum(before["modes"].values())
@@ -182,10 +216,14 @@ def main() -> int:
     parser.add_argument("--slo-factor", type=float, default=1.5)
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--iteration-log", type=Path, help="JSON lines of every iteration's engine stats")
     add_engine_args(parser)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     front = start_engine(args, "never" if set(args.policies) == {"never"} else "auto")
+    iteration_log = IterationLog(front, args.iteration_log)
+    if front.engine.perf_model is not None:
+        print(f"performance model: {front.engine.perf_model}", flush=True)
     num_gpu_blocks, vocab = front.engine.gpu_blocks.num_blocks, trace_vocab(front)
     results: dict[str, list[dict]] = {}
     offline: dict[str, dict] = {}
@@ -193,7 +231,9 @@ def main() -> int:
 
     def run(policy: str, label: str, trace) -> dict:
         before = front.engine.stats_snapshot()
+        iteration_log.start(f"{policy} {label.strip()}")
         records = replay(front, trace, args.timeout)
+        iteration_log.stop()
         after = front.engine.stats_snapshot()
         measured = [r for r, (offset, _, _) in zip(records, trace) if offset >= args.warmup_seconds] or records
         row = {**summarize(measured), **decode_batches(before, after),
@@ -210,6 +250,8 @@ def main() -> int:
         replay(front, make_trace(8, 100.0, args.workload, vocab, 7, tuple(args.fixed)), args.timeout)
         results[policy] = []
         for rate in args.rates:
+            if not rate:
+                continue
             num = max(8, math.ceil(rate * args.seconds_per_rate)) if args.seconds_per_rate else args.num_requests
             trace = make_trace(num, rate, args.workload, vocab, int(rate * 1000), tuple(args.fixed))
             results[policy].append({"rate": rate, **run(policy, f"rate {rate:6.2f}", trace)})

@@ -160,6 +160,7 @@ class LLMEngine:
             return self._step()
 
     def _step(self) -> list[RequestOutput]:
+        scheduling = time.monotonic()
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
@@ -181,7 +182,7 @@ class LLMEngine:
         for seq, n in batch.scheduled():
             seq.num_computed_tokens += n
         self.scheduler.offload(batch.offload_after_step)
-        self._record_iteration(batch, now, (host.seconds if host else 0.0) - host_seconds_before)
+        self._record_iteration(batch, now, (host.seconds if host else 0.0) - host_seconds_before, now - scheduling)
         if result is None:
             return []
         outputs = []
@@ -222,7 +223,7 @@ class LLMEngine:
 
     # Internals --------------------------------------------------------------------------------------------
 
-    def _record_iteration(self, batch, start: float, host_seconds: float) -> None:
+    def _record_iteration(self, batch, start: float, host_seconds: float, schedule_seconds: float) -> None:
         c = self.counters
         c.prompt_tokens += batch.num_prefill_tokens
         c.gpu_decode_tokens += len(batch.gpu_decodes)
@@ -239,7 +240,8 @@ class LLMEngine:
             "mode": batch.mode, "prefill_tokens": batch.num_prefill_tokens, "gpu_decodes": len(batch.gpu_decodes),
             "cpu_decodes": len(batch.cpu_decodes), "split": batch.split if batch.pipelined else None,
             "predicted_s": round(batch.predicted_time, 6), "measured_s": round(measured, 6),
-            "predicted_cpu_s": round(batch.predicted_cpu_time, 6), "measured_cpu_s": round(host_seconds, 6)}
+            "predicted_cpu_s": round(batch.predicted_cpu_time, 6), "measured_cpu_s": round(host_seconds, 6),
+            "schedule_s": round(schedule_seconds, 6)}
 
     def _append_token(self, seq: Sequence, token: int, logprob: float, logprob_entry, now: float) -> RequestOutput:
         seq.token_ids.append(token)
