@@ -59,10 +59,8 @@ class EngineConfig:
         "help": "pin the engine loop thread to this CPU and CPU attention to the others; with other processes "
                 "kept off it, a busy host cannot slow the GPU path"})
     pipeline: str = field(default="auto", metadata={"choices": PIPELINE_MODES})
-    cpu_latency_slack: float = field(default=2.0, metadata={
-        "help": "auto: an iteration with CPU work may take at most this times its GPU part alone (the pipeline's "
-                "second sub-batch reads the weights again, so on a memory-bound GPU a decode-only pipelined "
-                "iteration takes about twice its GPU part: under 2 it never runs beside a small GPU batch)"})
+    cpu_latency_slack: float = field(default=1.2, metadata={"help": "auto: an iteration with CPU work may take at "
+                                                                    "most this times its GPU part alone"})
     cache_dir: str | None = field(default=None, metadata={"help": "converted tokenizers and performance profiles; "
                                                                    "default: $XDG_CACHE_HOME/neo-triton"})
     # Per-request limits (admission control)

@@ -166,7 +166,7 @@ def _prefill_heavy_output() -> SchedulerOutput:
 
 def test_auto_admits_cpu_work_that_hides_under_the_gpu_and_never_starves():
     model = perf(dense_fixed=2e-3, dense_per_token=2e-5, cpu_per_token=1e-6, cpu_per_request=1e-5)
-    sched = make_scheduler("auto", gpu_blocks=512, model=model, cpu_latency_slack=1.2)
+    sched = make_scheduler("auto", gpu_blocks=512, model=model)
     cpu_ready = [request(i, 2000) for i in range(16)]
     out = _prefill_heavy_output()
     sched._plan_cpu_decodes(out, list(cpu_ready))
@@ -183,7 +183,7 @@ def test_auto_admits_cpu_work_that_hides_under_the_gpu_and_never_starves():
 
 def test_fail_safe_backs_off_when_the_cpu_is_slower_than_predicted():
     model = perf(dense_fixed=2e-3, dense_per_token=2e-5, cpu_per_token=1e-6, cpu_per_request=1e-5)
-    sched = make_scheduler("auto", gpu_blocks=512, model=model, cpu_latency_slack=1.2)
+    sched = make_scheduler("auto", gpu_blocks=512, model=model)
     cpu_ready = [request(i, 2000) for i in range(16)]
     healthy = _prefill_heavy_output()
     sched._plan_cpu_decodes(healthy, list(cpu_ready))
@@ -257,23 +257,3 @@ def test_a_busy_host_sends_cpu_requests_back_to_the_gpu_and_a_quiet_one_gets_the
     for _ in range(12):
         run_step(sched)
     assert sched.swap_out_blocks > swapped and sched.cpu_running, "offloading resumes once the host is quiet"
-
-
-def test_auto_uses_the_host_where_device_memory_holds_two_requests():
-    """The T4-class setting on the simulated clock (bench/simulate.py: Llama-2-7B's KV, 185 device blocks, the
-    8-SM partition's roofline): GPU-only queues prompts for device memory, auto decodes the extra requests on the
-    host beside the two the device holds, serving more tokens/s at a lower mean per-token latency."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-    import simulate
-    from serving import make_trace, summarize
-
-    roof, gpu_blocks, cpu_gb = simulate.setting("t4mem")
-    trace = make_trace(40, 0.4, "a10g", 1000, seed=400)
-    runs = {policy: simulate.simulate(policy, roof, gpu_blocks, cpu_gb, trace, {}) for policy in ("never", "auto")}
-    never, auto = (summarize(runs[p][0]) for p in ("never", "auto"))
-    assert runs["auto"][1]["cpu_decode_rows"] > 0 and runs["never"][1]["cpu_decode_rows"] == 0
-    assert auto["output_tokens_per_s"] > 1.2 * never["output_tokens_per_s"], (auto, never)
-    assert auto["mean_per_token_latency_s"] < never["mean_per_token_latency_s"]
