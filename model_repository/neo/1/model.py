@@ -117,6 +117,8 @@ def _json_object(text: str, what: str) -> dict[str, Any]:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
         raise InvalidRequestError(f"{what} is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise InvalidRequestError(f"{what} nests too deeply to be read") from None
     if not isinstance(value, dict):
         raise InvalidRequestError(f"{what} must be a JSON object, got {type(value).__name__}")
     return value
