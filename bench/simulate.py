@@ -3,8 +3,8 @@
     python bench/simulate.py --setting a10g --rates 0.5 1 1.5 2 2.5 3 --policies never auto always
 
 Each iteration the engine's `Scheduler` plans as in serving; the iteration then takes the time the cost model
-gives for its mode (GPU-only, sequential or pipelined, the same formulas as `PerfModel`) plus its swap traffic
-over PCIe, and every scheduled request advances. The cost model is built from a device's bandwidth and matrix
+gives for its mode (GPU-only, sequential or pipelined, the same formulas as `PerfModel`) plus its swaps at the
+rate the engine lands them, and every scheduled request advances. The cost model is built from a device's bandwidth and matrix
 rate and the host's attention bandwidth and hand-off cost (`Roofline`); the defaults of each setting are the
 H200's 8-SM partition and its 16-core host as measured (bench/RESULTS.md). A design tool for the policy, run in seconds on
 a laptop; it says nothing about the engine's own overheads, which only `bench/serving.py` on the GPU measures.
@@ -31,7 +31,8 @@ from neo_backend.scheduler import Scheduler, SchedulerOutput  # noqa: E402
 from neo_backend.sequence import Sequence  # noqa: E402
 
 BLOCK_SIZE = 16
-PCIE_BYTES_PER_S = 25e9   # pinned copies one way, about half of what the H200 host measured (an A10G's Gen4)
+SWAP_BYTES_PER_S = 6e9    # a swap as the scheduler waits for it: measured ~90 ms per 552 MB request (device to
+                          # host copy, then the scatter into the host pool), setting (e) on the H200
 _TINY = ModelConfig(vocab_size=8, hidden_size=4, intermediate_size=4, num_layers=1, num_heads=1, num_kv_heads=1,
                     head_dim=4)
 
@@ -108,7 +109,7 @@ def simulate(policy: str, roof: Roofline, gpu_blocks: int, cpu_gb: float, trace,
             clock = seqs[next_arrival].arrival_time if next_arrival < len(seqs) else clock + 1e-3
             continue
         swapped = sched.swap_out_blocks + sched.swap_in_blocks - swapped
-        clock += iteration_time(perf, out) + swapped * block_bytes / PCIE_BYTES_PER_S
+        clock += iteration_time(perf, out) + swapped * block_bytes / SWAP_BYTES_PER_S
         stats["iterations"] += 1
         stats["gpu_decode_rows"] += len(out.gpu_decodes)
         stats["cpu_decode_rows"] += len(out.cpu_decodes)
