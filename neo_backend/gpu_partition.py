@@ -41,7 +41,6 @@ class SmPartition:
         except RuntimeError as exc:
             raise ConfigError(f"gpu_sm_count={num_sms}: the driver could not create the partition ({exc})") from None
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(self.context))  # never destroyed, not even at exit
-        self.num_sms = num_sms
         log.info("GPU partition: %d of %d SMs (a green context; every GPU operation runs on its streams)", num_sms,
                  torch.cuda.get_device_properties(index).multi_processor_count)
 

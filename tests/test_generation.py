@@ -38,6 +38,17 @@ def _outputs(stream, timeout_s: float = 60.0):
         yield stream.get(timeout=timeout_s)
 
 
+def _host_attention_predicted_free(engine, monkeypatch, remeasured: bool = False) -> None:
+    """`auto` swaps and places on every pressured step: the host's attention predicted free (and, unless
+    `remeasured`, never re-measured). A tiny model's CPU work pays or not by a margin that start-up timing decides
+    (and on a GPU never pays, or the fail-safe stops it after a timing-dependent number of iterations)."""
+    for term in ("cpu_attn_fixed", "cpu_attn_per_request", "cpu_attn_per_token"):
+        monkeypatch.setattr(engine.perf_model, term, 0.0)
+    if not remeasured:
+        for observe in ("observe_cpu", "observe_iteration"):
+            monkeypatch.setattr(engine.perf_model, observe, lambda *args: None)
+
+
 def _collect(engine: LLMEngine, prompts, max_tokens, stagger: bool) -> list[list[int]]:
     tokens: dict[str, list[int]] = {}
     order = []

@@ -12,7 +12,7 @@ from neo_backend import EngineConfig, LLMEngine, cpu_attention
 from neo_backend.host_kv import HUGE_PAGE_BYTES, huge_page_tensor
 from neo_backend.streaming import StreamingEngine
 
-from test_generation import _collect, _mixed_requests, _outputs
+from test_generation import _collect, _host_attention_predicted_free, _mixed_requests, _outputs
 
 CONFIGS = {
     "never": dict(offload_policy="never"),
@@ -41,9 +41,11 @@ def reference_tokens(tiny_model_dirs, workload):
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_greedy_tokens_identical_across_policies(tiny_model_dirs, workload, reference_tokens, name):
+def test_greedy_tokens_identical_across_policies(tiny_model_dirs, workload, reference_tokens, name, monkeypatch):
     prompts, max_tokens = workload
     engine = _engine(tiny_model_dirs["llama3"], 24, **CONFIGS[name])
+    if name == "auto-small-gpu":
+        _host_attention_predicted_free(engine, monkeypatch)
     tokens = _collect(engine, prompts, max_tokens, stagger=True)
     assert tokens == reference_tokens
     stats = engine.stats_snapshot()
@@ -82,6 +84,7 @@ def test_auto_backs_off_when_cpu_attention_is_slowed(tiny_model_dirs, workload, 
 
     prompts, max_tokens = workload
     engine = _engine(tiny_model_dirs["llama3"], 24, offload_policy="auto")
+    _host_attention_predicted_free(engine, monkeypatch, remeasured=True)
     real_iteration = cpu_attention.decode_iteration
 
     def slow_iteration(*args, **kwargs):
