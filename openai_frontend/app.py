@@ -99,7 +99,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         prompt = served.render_chat([{"role": m.role, "content": m.text()} for m in request.messages])
         # Without a limit a chat reply may run to the end of the context (max_model_len stops it).
-        max_tokens = request.max_completion_tokens or request.max_tokens or engine_config.max_tokens_cap
+        max_tokens = next((v for v in (request.max_completion_tokens, request.max_tokens) if v is not None),
+                          engine_config.max_tokens_cap)
         top_logprobs = (request.top_logprobs or 0) if request.logprobs else None
         sampling = sampling_parameters(request, max_tokens, top_logprobs)
         generations = plan([prompt], request.n, sampling)

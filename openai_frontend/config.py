@@ -18,6 +18,12 @@ class GatewayConfig:
     api_key: str | None = None          # when set, /v1 requests must send `Authorization: Bearer <key>`
     request_timeout_s: float = 600.0    # per generation; past it the request is cancelled on the server
 
+    @property
+    def url(self) -> str:
+        """The base URL a client on this machine reaches the gateway at."""
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+        return f"http://{host}:{self.port}"
+
     @classmethod
     def from_env(cls) -> GatewayConfig:
         """NEO_OPENAI_HOST (else NEO_HOST), NEO_OPENAI_PORT, NEO_OPENAI_API_KEY; Triton's gRPC address from

@@ -46,13 +46,16 @@ class ServedModel:
 
     async def load(self) -> None:
         """Wait until Triton serves the model, then load its tokenizer (once; the gateway is ready after it)."""
+        last_reason = ""
         while True:
             try:
                 await self.client.check_ready()
                 parameters = (await self.client.model_config()).get("parameters", {})
                 break
             except ClientError as exc:
-                log.info("waiting for the Triton model: %s", exc)
+                if str(exc) != last_reason:  # once per state, not once per poll
+                    log.info("waiting for the Triton model: %s", exc)
+                    last_reason = str(exc)
                 await asyncio.sleep(READY_POLL_S)
         self.config = engine_config(parameters)
         self.tokenizer = await asyncio.to_thread(_tokenizer, self.config)

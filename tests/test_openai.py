@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import re
+import subprocess
+import sys
 import tempfile
 import time
 import urllib.error
@@ -17,6 +21,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from client import NeoClient, ServerError, render_chat
+from loadtest.records import read_records
 from neo_backend import EngineConfig
 from neo_backend.server import free_ports, launch_gateway, stop_gateway
 from neo_backend.tokenizer import Tokenizer
@@ -25,6 +30,7 @@ from openai_frontend.errors import APIError, from_client_error
 from openai_frontend.served_model import ServedModel
 from server_utils import RunningServer, kv_blocks_used, requests_in_engine, triton_server, wait_for_metrics
 
+ROOT = Path(__file__).resolve().parent.parent
 KNOBS = {"num_gpu_blocks": 256, "max_model_len": 512, "cpu_kv_cache_gb": 0.05, "max_num_seqs": 16}
 MODEL = "neo"
 PROMPT = "The capital of France is"
@@ -308,3 +314,23 @@ def test_api_key_is_required_when_configured():
         assert right.status_code == 503 and "not ready" in right.json()["error"]["message"]
         assert http.get("/health").status_code == 503
         assert http.get("/v1/models", headers={"Authorization": "Bearer sesame"}).status_code == 200
+
+
+# Load test over the OpenAI API ---------------------------------------------------------------------------------
+
+def test_loadtest_drives_the_gateway(base_url, tmp_path):
+    host, port = base_url.removeprefix("http://").split(":")
+    env = {**os.environ, "NEO_OPENAI_HOST": host, "NEO_OPENAI_PORT": port}
+    proc = subprocess.run([sys.executable, "-m", "loadtest", "--api", "openai", "--duration", "10s", "--users", "4",
+                           "--input-tokens", "32", "--output-tokens", "8", "--results-dir", str(tmp_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = proc.stdout.strip().splitlines()[-6:]
+    assert "(openai)" in last[0]
+    for line, metric in zip(last[2:5], ("TTFT", "TPOT", "E2E")):
+        cells = line.split()
+        assert cells[0] == metric and all(float(v) > 0 for v in cells[1:]), line
+    ok, errors = map(int, re.search(r"requests: (\d+) ok, (\d+) errors", last[5]).groups())
+    assert ok >= 4 and errors == 0, last[5]
+    records = list(read_records(tmp_path / "requests.jsonl"))
+    assert {r.output_tokens for r in records} == {8} and all(abs(r.input_tokens - 32) <= 1 for r in records)
