@@ -24,6 +24,7 @@ from .served_model import ServedModel
 log = logging.getLogger("openai_frontend")
 
 HEALTH_TIMEOUT_S = 2.0
+DISCONNECT_POLL_S = 0.1  # how soon a non-streamed request notices that its client went away
 
 
 class EventStream(StreamingResponse):
@@ -55,7 +56,6 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     app = FastAPI(title="neo-triton OpenAI-compatible API", lifespan=lifespan, docs_url=None, redoc_url=None)
     _install_error_handlers(app)
-    created = int(time.time())
 
     def authorize(request: Request) -> None:
         if config.api_key is None:
@@ -65,9 +65,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
             raise APIError(401, "missing or wrong API key: send the header `Authorization: Bearer <key>`",
                            code="invalid_api_key")
 
-    def check_model(request: GenerationRequest) -> None:
-        if request.model != config.model:
-            raise APIError(404, f"the model {request.model!r} does not exist; this server serves {config.model!r}",
+    def check_model(name: str) -> None:
+        if name != config.model:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {config.model!r}",
                            param="model", code="model_not_found")
 
     @app.get("/health")
@@ -76,24 +76,30 @@ def create_app(config: GatewayConfig) -> FastAPI:
             return JSONResponse({"status": "ok"})
         raise APIError(503, f"model {config.model!r} is not ready")
 
+    card = {"id": config.model, "object": "model", "created": int(time.time()), "owned_by": "neo-triton"}
+
     @app.get("/v1/models", dependencies=[Depends(authorize)])
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": config.model, "object": "model", "created": created,
-                                            "owned_by": "neo-triton"}]}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model}", dependencies=[Depends(authorize)])
+    async def model(model: str) -> dict[str, Any]:
+        check_model(model)
+        return card
 
     @app.post("/v1/completions", dependencies=[Depends(authorize)])
-    async def completions(request: CompletionRequest) -> Any:
-        check_model(request)
+    async def completions(request: CompletionRequest, http: Request) -> Any:
+        check_model(request.model)
         served.require_loaded()
         prompts = [request.prompt] if isinstance(request.prompt, str) else request.prompt
         sampling = sampling_parameters(request, request.max_tokens, request.logprobs)
         generations = plan(prompts, request.n, sampling)
-        return await _answer(request, CompletionBuilder(config.model, generations, request.logprobs),
+        return await _answer(http, request, CompletionBuilder(config.model, generations, request.logprobs),
                              pieces(served.client, generations, config.request_timeout_s))
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
-    async def chat_completions(request: ChatCompletionRequest) -> Any:
-        check_model(request)
+    async def chat_completions(request: ChatCompletionRequest, http: Request) -> Any:
+        check_model(request.model)
         engine_config, _ = served.require_loaded()
         if request.top_logprobs is not None and not request.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
@@ -104,7 +110,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         top_logprobs = (request.top_logprobs or 0) if request.logprobs else None
         sampling = sampling_parameters(request, max_tokens, top_logprobs)
         generations = plan([prompt], request.n, sampling)
-        return await _answer(request, ChatBuilder(config.model, generations, top_logprobs),
+        return await _answer(http, request, ChatBuilder(config.model, generations, top_logprobs),
                              pieces(served.client, generations, config.request_timeout_s))
 
     return app
@@ -115,22 +121,41 @@ def _log_failure(task: asyncio.Task) -> None:
         log.error("loading the model's tokenizer failed; the gateway stays not ready", exc_info=task.exception())
 
 
-async def _answer(request: GenerationRequest, builder: ResponseBuilder, stream: AsyncIterator[Any]) -> Any:
+async def _answer(http: Request, request: GenerationRequest, builder: ResponseBuilder,
+                  stream: AsyncIterator[Any]) -> Any:
     """The whole response, or an event stream. A stream's first piece is awaited before the response starts, so
     a request the model refuses gets its error status rather than a 200 stream holding an error."""
     if not request.stream:
-        try:
-            async for piece in stream:
-                builder.add(piece)
-        finally:
-            await stream.aclose()  # type: ignore[attr-defined]
-        return builder.response()
+        collecting = asyncio.ensure_future(_collect(builder, stream))
+        watching = asyncio.ensure_future(_until_disconnected(http))
+        await asyncio.wait({collecting, watching}, return_when=asyncio.FIRST_COMPLETED)
+        watching.cancel()
+        if not collecting.done():  # the client went away: free the engine's blocks now, not at the answer's end
+            collecting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await collecting
+            raise APIError(499, "the client closed the connection")
+        return collecting.result()
     try:
         first = await stream.__anext__()
     except BaseException:
         await stream.aclose()  # type: ignore[attr-defined]
         raise
     return EventStream(_events(builder, first, stream, request.include_usage))
+
+
+async def _collect(builder: ResponseBuilder, stream: AsyncIterator[Any]) -> dict[str, Any]:
+    try:
+        async for piece in stream:
+            builder.add(piece)
+    finally:
+        await stream.aclose()  # type: ignore[attr-defined]
+    return builder.response()
+
+
+async def _until_disconnected(http: Request) -> None:
+    while not await http.is_disconnected():
+        await asyncio.sleep(DISCONNECT_POLL_S)
 
 
 async def _events(builder: ResponseBuilder, first: Any, stream: AsyncIterator[Any],

@@ -17,7 +17,7 @@ from neo_backend.sampling_params import SamplingParams
 from .errors import APIError, from_client_error
 from .schema import GenerationRequest
 
-# OpenAI name -> vLLM sampling parameter name, for the fields both APIs share.
+# Request fields both APIs share that are engine sampling parameters of the same name.
 _SAMPLING_FIELDS = ("temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty", "ignore_eos",
                     "min_tokens", "top_k", "repetition_penalty")
 

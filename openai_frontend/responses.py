@@ -5,6 +5,7 @@ token first, then the most likely ones); each API gets them in its own shape.
 """
 from __future__ import annotations
 
+import abc
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ class ChoiceState:
     result: GenerationResult | None = None
 
 
-class ResponseBuilder:
+class ResponseBuilder(abc.ABC):
     """Base of the two APIs' builders: ids, usage, the bookkeeping of choices."""
 
     object = ""
@@ -81,15 +82,18 @@ class ResponseBuilder:
     def _logprobs(self, choice: ChoiceState, entries: list[TokenLogprobs]) -> dict[str, Any] | None:
         return None if self.top_logprobs is None else self.logprobs(choice, entries)
 
+    @abc.abstractmethod
     def choice(self, index: int, text: str, logprobs: dict[str, Any] | None, finish_reason: str | None
                ) -> dict[str, Any]:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def chunk_choice(self, choice: ChoiceState, piece: Piece, logprobs: dict[str, Any] | None) -> dict[str, Any]:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def logprobs(self, choice: ChoiceState, entries: list[TokenLogprobs]) -> dict[str, Any]:
-        raise NotImplementedError
+        ...
 
 
 class CompletionBuilder(ResponseBuilder):

@@ -297,8 +297,20 @@ def test_a_dropped_stream_frees_its_kv_blocks(api, server):
     assert time.monotonic() - started < 3.0
 
 
+def test_a_client_that_gives_up_on_a_whole_answer_frees_its_kv_blocks(api, server):
+    wait_idle(server)
+    impatient = api.with_options(timeout=3.0)
+    with pytest.raises(openai.APITimeoutError):
+        impatient.completions.create(model=MODEL, prompt="Tell me a long story.", max_tokens=400, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    wait_idle(server, timeout=3.0)
+
+
 def test_models_and_health(api, base_url):
     assert [m.id for m in api.models.list().data] == [MODEL]
+    assert api.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        api.models.retrieve("gpt-4")
     assert http_status(f"{base_url}/health") == 200
 
 
