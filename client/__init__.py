@@ -12,11 +12,11 @@
 from .aio import AsyncNeoClient, AsyncStream
 from .chat import DEFAULT_CHAT_TEMPLATE, render_chat
 from .errors import ClientError, ModelNotFoundError, RequestTimeoutError, ServerError, ServerUnreachableError
-from .protocol import DEFAULT_MODEL, GenerationResult, default_url
+from .protocol import DEFAULT_MODEL, Delta, GenerationResult, default_url
 from .sync import NeoClient, Stream
 
 __all__ = [
-    "AsyncNeoClient", "AsyncStream", "ClientError", "DEFAULT_CHAT_TEMPLATE", "DEFAULT_MODEL", "GenerationResult",
+    "AsyncNeoClient", "AsyncStream", "ClientError", "DEFAULT_CHAT_TEMPLATE", "DEFAULT_MODEL", "Delta", "GenerationResult",
     "ModelNotFoundError", "NeoClient", "RequestTimeoutError", "ServerError", "ServerUnreachableError", "Stream",
     "default_url", "render_chat",
 ]

@@ -15,7 +15,7 @@ import tritonclient.grpc.aio as aioclient
 from tritonclient.utils import InferenceServerException
 
 from .errors import RequestTimeoutError
-from .protocol import (DEFAULT_MODEL, DEFAULT_TIMEOUT_S, GenerationResult, ResponseAccumulator, build_inputs,
+from .protocol import (DEFAULT_MODEL, DEFAULT_TIMEOUT_S, Delta, GenerationResult, ResponseAccumulator, build_inputs,
                        default_url, model_not_ready, translate_error)
 
 _STREAM_DEADLINE_GRACE_S = 5.0
@@ -41,6 +41,14 @@ class AsyncNeoClient:
             raise translate_error(exc, self.url, self.model, self.timeout) from None
         raise model_not_ready(self.url, self.model, index)
 
+    async def model_config(self) -> dict[str, Any]:
+        """The model's configuration as the server loaded it (config.pbtxt as JSON, parameters included)."""
+        try:
+            response = await self._client.get_model_config(self.model, as_json=True, client_timeout=self.timeout)
+        except InferenceServerException as exc:
+            raise translate_error(exc, self.url, self.model, self.timeout) from None
+        return response["config"]
+
     def stream(self, prompt: str, sampling: Mapping[str, Any] | None = None, request_id: str | None = None,
                timeout: float | None = None) -> AsyncStream:
         return AsyncStream(self, prompt, sampling, request_id or uuid.uuid4().hex,
@@ -65,7 +73,8 @@ class AsyncNeoClient:
 
 
 class AsyncStream:
-    """One request in flight: `async for` yields text deltas, then `result` holds the outcome.
+    """One request in flight: `async for` yields text deltas (`deltas()`: every response, logprobs included), then
+    `result` holds the outcome.
 
     Leaving early (break, an exception, task cancellation, `aclose()`) cancels the gRPC call, which cancels the
     request on the server.
@@ -82,9 +91,18 @@ class AsyncStream:
         self._iterator: AsyncIterator[str] | None = None
 
     def __aiter__(self) -> AsyncIterator[str]:
+        return self._texts()
+
+    def deltas(self) -> AsyncIterator[Delta]:
+        """Each response's text and logprobs; responses that carry neither (the end) are left out."""
         if self._iterator is None:
             self._iterator = self._run()
         return self._iterator
+
+    async def _texts(self) -> AsyncIterator[str]:
+        async for delta in self.deltas():
+            if delta.text:
+                yield delta.text
 
     async def aclose(self) -> None:
         """Cancel the request if it is still running."""
@@ -98,7 +116,7 @@ class AsyncStream:
                         tb: TracebackType | None) -> None:
         await self.aclose()
 
-    async def _run(self) -> AsyncIterator[str]:
+    async def _run(self) -> AsyncIterator[Delta]:
         owner = self._owner
 
         async def one_request() -> AsyncIterator[dict[str, Any]]:
@@ -125,7 +143,7 @@ class AsyncStream:
                 if error is not None:
                     raise translate_error(error, owner.url, owner.model, self.timeout)
                 delta = acc.feed(result, time.perf_counter())
-                if delta:
+                if delta.text or delta.logprobs:
                     yield delta
             self.result = acc.result(time.perf_counter())
             finished = True

@@ -30,3 +30,7 @@ class ServerError(ClientError):
     """The server answered the request with an error (bad parameters, overload, engine failure)."""
 
     exit_code = 1
+
+    def __init__(self, message: str, server_message: str = "") -> None:
+        super().__init__(message)
+        self.server_message = server_message  # the server's own words, for callers that relay them

@@ -47,7 +47,18 @@ def build_inputs(prompt: str, sampling: Mapping[str, Any] | None) -> list[InferI
         tensor("sampling_parameters", "BYTES", json.dumps(dict(sampling or {})).encode("utf-8")),
     ]
     inputs += [tensor(flag, "BOOL", True) for flag in _RETURN_FLAGS]
+    if (sampling or {}).get("logprobs") is not None:
+        inputs.append(tensor("return_logprobs", "BOOL", True))
     return inputs
+
+
+@dataclass(frozen=True)
+class Delta:
+    """One streamed response: its new text and, when the request asked for logprobs, those of its tokens in the
+    vLLM backend's format (per token, {token id: {"logprob", "decoded_token"}}, the sampled token first)."""
+
+    text: str
+    logprobs: list[dict[str, dict[str, Any]]] | None = None
 
 
 @dataclass
@@ -106,10 +117,11 @@ class ResponseAccumulator:
         self.saw_token_counts = False
         self.done = False
 
-    def feed(self, result: InferResult, arrival: float) -> str:
-        """Record one response; return its text delta. Sets `done` on the request's last response."""
+    def feed(self, result: InferResult, arrival: float) -> Delta:
+        """Record one response; return its delta. Sets `done` on the request's last response."""
         final_param = result.get_response().parameters.get("triton_final_response")
         delta = _first_string(result, "text_output") or ""
+        logprobs = _first_string(result, "logprobs")
         reason = _first_string(result, "finish_reason")
         n_in = result.as_numpy("num_input_tokens")
         n_out = result.as_numpy("num_output_tokens")
@@ -130,7 +142,7 @@ class ResponseAccumulator:
         # Servers that honour enable_empty_final_response flag the last response; the asyncio client cannot
         # ask for that flag, so a finish reason (always requested) marks the end as well.
         self.done = bool(final_param and final_param.bool_param) or bool(reason)
-        return delta
+        return Delta(delta, None if logprobs is None else json.loads(logprobs))
 
     def result(self, end_time: float) -> GenerationResult:
         return GenerationResult(
@@ -170,4 +182,4 @@ def translate_error(exc: InferenceServerException, url: str, model: str, timeout
                                    "raise --timeout or lower --max-tokens")
     if "unknown model" in message or "NOT_FOUND" in status:
         return ModelNotFoundError(f"{url} does not serve model {model!r} ({message}); check --model")
-    return ServerError(f"server error from {url} for model {model!r}: {message}")
+    return ServerError(f"server error from {url} for model {model!r}: {message}", server_message=message)

@@ -143,7 +143,7 @@ class Stream:
                         "was cancelled; raise the timeout or lower max_tokens") from None
                 if error is not None:
                     raise translate_error(error, owner.url, owner.model, self.timeout)
-                delta = acc.feed(result, arrival)
+                delta = acc.feed(result, arrival).text
                 if delta:
                     yield delta
             self.result = acc.result(time.perf_counter())

@@ -1,7 +1,8 @@
-"""`python -m loadtest --duration 20s --users 8 [--rate R] [--workload fixed|a10g|conversation]`.
+"""`python -m loadtest --duration 20s --users 8 [--rate R] [--workload fixed|a10g|conversation] [--api openai]`.
 
 Runs locust headless (a subprocess, so its gevent patching stays out of this process) against the server
-address from NEO_HOST/NEO_GRPC_PORT (or --url), then writes into the results directory:
+address from NEO_HOST/NEO_GRPC_PORT (or --url): Triton gRPC, or with `--api openai` the OpenAI gateway (its
+address from NEO_OPENAI_HOST/NEO_OPENAI_PORT), then writes into the results directory:
   locust_stats.csv, locust_stats_history.csv, locust_failures.csv, locust_exceptions.csv  (locust's own)
   requests.jsonl  per-request records      summary.txt / summary.json  the table below
   latency.png     P50/P90/P99 of TTFT, TPOT and E2E over time
@@ -13,9 +14,12 @@ import argparse
 import re
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from pathlib import Path
 
-from client import ClientError, NeoClient, default_url
+from client import ClientError, NeoClient, ServerUnreachableError, default_url
+from openai_frontend import GatewayConfig
 
 from .records import read_records
 from .report import plot_percentiles_over_time, summarize, write_summary
@@ -23,6 +27,7 @@ from .workloads import WORKLOADS
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 REPO_ROOT = PACKAGE_DIR.parent
+LOCUSTFILES = {"triton": PACKAGE_DIR / "locustfile.py", "openai": PACKAGE_DIR / "locust_openai.py"}
 _DURATION = re.compile(r"^(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s?)?$")
 
 
@@ -45,7 +50,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workload", choices=WORKLOADS, default="fixed")
     p.add_argument("--input-tokens", type=int, default=128, help="prompt tokens of the fixed workload")
     p.add_argument("--output-tokens", type=int, default=64, help="output tokens of the fixed workload")
-    p.add_argument("--url", default=None, help=f"gRPC host:port (default from NEO_HOST/NEO_GRPC_PORT: {default_url()})")
+    p.add_argument("--api", choices=LOCUSTFILES, default="triton", help="Triton gRPC, or the OpenAI gateway")
+    p.add_argument("--url", default=None, help=f"gRPC host:port (default from NEO_HOST/NEO_GRPC_PORT: {default_url()}); "
+                                               "with --api openai the gateway's base URL")
     p.add_argument("--model", default="neo")
     p.add_argument("--request-timeout", type=float, default=120.0, help="seconds allowed per request")
     p.add_argument("--seed", type=int, default=0)
@@ -63,7 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def locust_command(args: argparse.Namespace, url: str) -> list[str]:
     results = args.results_dir
     return [
-        sys.executable, "-m", "locust", "-f", str(PACKAGE_DIR / "locustfile.py"), "--headless", "--only-summary",
+        sys.executable, "-m", "locust", "-f", str(LOCUSTFILES[args.api]), "--headless", "--only-summary",
         "--users", str(args.users), "--spawn-rate", str(args.spawn_rate or args.users),
         "--run-time", f"{args.duration_s}s", "--host", url,
         "--csv", str(results / "locust"), "--csv-full-history",
@@ -74,12 +81,25 @@ def locust_command(args: argparse.Namespace, url: str) -> list[str]:
     ]
 
 
+def check_ready(api: str, url: str, model: str) -> None:
+    """Raise ClientError unless the server can take the load test's requests now."""
+    if api == "triton":
+        with NeoClient(url, model, timeout=10.0) as client:
+            client.check_ready()
+        return
+    try:
+        with urllib.request.urlopen(f"{url.rstrip('/')}/health", timeout=10.0):
+            pass
+    except (urllib.error.URLError, OSError) as exc:
+        raise ServerUnreachableError(f"the OpenAI gateway at {url} is not ready ({exc}); start it (make serve) "
+                                     "or pass --url") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    url = args.url or default_url()
+    url = args.url or (GatewayConfig.from_env().url if args.api == "openai" else default_url())
     try:
-        with NeoClient(url, args.model, timeout=10.0) as client:
-            client.check_ready()
+        check_ready(args.api, url, args.model)
     except ClientError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
@@ -102,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
 
     mode = f"Poisson {args.rate:g} req/s" if args.rate else "closed loop"
     summary = summarize(records, f"neo load test: {args.workload} workload, {args.users} users, {mode}, "
-                                 f"{args.duration_s} s against {url}")
+                                 f"{args.duration_s} s against {url} ({args.api})")
     write_summary(summary, args.results_dir)
     plot_percentiles_over_time(records, args.results_dir / "latency.png")
     for error in summary.first_errors:

@@ -1,13 +1,7 @@
 """Locust user that drives the `neo` model over Triton gRPC streaming through the project's client.
 
-Each request reports three locust entries of type `grpc`: `TTFT` (time to first token), `TPOT` (mean time per
-output token after the first) and `E2E` (whole request); a failed request is one `E2E` failure. `--host` is the
+Entries are of type `grpc` (see loadtest/users.py for what is measured and how arrivals work). `--host` is the
 gRPC address (host:port; default from NEO_HOST/NEO_GRPC_PORT).
-
-Closed loop (default): each user sends its next request when the previous one ends.
-Open loop (`--rate R`): arrivals are a Poisson process of R requests/s shared by the users (each runs one of
-R/users); a request starts at its arrival time whether or not earlier ones finished, up to `--max-in-flight`
-per user, beyond which an arrival is counted as a failure (`backlog full`) instead of queueing in the client.
 
 Run directly (web UI): `locust -f loadtest/locustfile.py --host 127.0.0.1:8001`; headless: `python -m loadtest`.
 """
@@ -18,130 +12,26 @@ from grpc.experimental import gevent as grpc_gevent
 
 grpc_gevent.init_gevent()
 
-import itertools  # noqa: E402
-import random  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import gevent  # noqa: E402
-from gevent.pool import Pool  # noqa: E402
-from locust import User, events, task  # noqa: E402
-from locust.env import Environment  # noqa: E402
-from locust.stats import CSV_STATS_INTERVAL_SEC  # noqa: E402
-
 from client import ClientError, GenerationResult, NeoClient, default_url  # noqa: E402
-from loadtest.records import RecordWriter, RequestRecord  # noqa: E402
-from loadtest.workloads import WORKLOADS, make_source  # noqa: E402
-
-# A closed-loop user pauses this long after a failed request, so a dead server is not hammered in a tight loop.
-FAILURE_BACKOFF_S = 1.0
-_user_ids = itertools.count()
-_records: RecordWriter | None = None
+from loadtest.users import StreamingUser  # noqa: E402
+from loadtest.workloads import RequestSpec  # noqa: E402
 
 
-@events.init_command_line_parser.add_listener
-def _add_arguments(parser) -> None:  # type: ignore[no-untyped-def]
-    parser.add_argument("--workload", choices=WORKLOADS, default="fixed", help="request length mix")
-    parser.add_argument("--input-tokens", type=int, default=128, help="prompt tokens (fixed workload)")
-    parser.add_argument("--output-tokens", type=int, default=64, help="output tokens (fixed workload)")
-    parser.add_argument("--rate", type=float, default=0.0, help="open-loop Poisson arrivals/s (0: closed loop)")
-    parser.add_argument("--max-in-flight", type=int, default=64, help="open loop: concurrent requests per user")
-    parser.add_argument("--request-timeout", type=float, default=120.0, help="seconds allowed per request")
-    parser.add_argument("--model", default="neo", help="Triton model name")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the request lengths")
-    parser.add_argument("--records", default="", include_in_web_ui=False, help="JSONL file of per-request records")
-
-
-@events.test_start.add_listener
-def _open_records(environment: Environment, **_: object) -> None:
-    global _records
-    if environment.parsed_options and environment.parsed_options.records:
-        _records = RecordWriter(Path(environment.parsed_options.records))
-
-
-@events.quit.add_listener
-def _let_the_csv_catch_up(**_: object) -> None:
-    """locust rewrites its CSV files every CSV_STATS_INTERVAL_SEC and closes them at exit without a last
-    write; `quit` fires after the users stopped and before that close, so one more interval makes the CSV
-    final and equal to the records."""
-    gevent.sleep(CSV_STATS_INTERVAL_SEC + 0.25)
-
-
-@events.test_stop.add_listener
-def _close_records(**_: object) -> None:
-    global _records
-    if _records is not None:
-        _records.close()
-        _records = None
-
-
-class NeoUser(User):
+class NeoUser(StreamingUser):
     host = default_url()
+    request_type = "grpc"
+    request_errors = (ClientError,)
 
-    def on_start(self) -> None:
-        opts = self.environment.parsed_options
-        self.opts = opts
-        self.client = NeoClient(self.host.removeprefix("grpc://"), opts.model, opts.request_timeout)
+    def connect(self) -> None:
+        self.client = NeoClient(self.host.removeprefix("grpc://"), self.opts.model, self.opts.request_timeout)
         self.client.check_ready()
-        user_id = next(_user_ids)
-        self.source = make_source(opts.workload, opts.seed + user_id, opts.input_tokens, opts.output_tokens)
-        self.arrivals = random.Random(f"arrivals-{opts.seed}-{user_id}")
-        self.in_flight = Pool(opts.max_in_flight)
 
-    def on_stop(self) -> None:
-        self.in_flight.kill()  # each request cancels itself on the server as it unwinds
+    def disconnect(self) -> None:
         self.client.close()
 
-    @task
-    def generate(self) -> None:
-        if self.opts.rate <= 0:
-            if not self._one_request():
-                gevent.sleep(FAILURE_BACKOFF_S)
-            return
-        per_user_rate = self.opts.rate / max(1, self.environment.runner.user_count)
-        gevent.sleep(self.arrivals.expovariate(per_user_rate))
-        if self.in_flight.full():
-            self._report_failure(time.time(), RuntimeError(
-                f"open-loop backlog full ({self.opts.max_in_flight} in flight); lower --rate or add users"))
-        else:
-            self.in_flight.spawn(self._one_request)
-
-    def _one_request(self) -> bool:
-        """Send one request and report it; return whether it succeeded."""
-        spec = self.source.next_request()
-        start = time.time()
-        try:
-            with self.client.stream(spec.prompt, spec.sampling()) as stream:
-                for _ in stream:
-                    pass
-        except ClientError as exc:
-            self.source.observe(spec, None)
-            self._report_failure(start, exc)
-            return False
+    def send(self, spec: RequestSpec) -> GenerationResult:
+        with self.client.stream(spec.prompt, spec.sampling()) as stream:
+            for _ in stream:
+                pass
         assert stream.result is not None
-        self.source.observe(spec, stream.result.text)
-        self._report_success(start, stream.result)
-        return True
-
-    def _report_success(self, start: float, result: GenerationResult) -> None:
-        fire = self.environment.events.request.fire
-        tokens = result.num_output_tokens
-        if result.ttft is not None:
-            fire(request_type="grpc", name="TTFT", response_time=result.ttft * 1000, response_length=0,
-                 exception=None, context={})
-        if result.tpot is not None:
-            fire(request_type="grpc", name="TPOT", response_time=result.tpot * 1000, response_length=0,
-                 exception=None, context={})
-        fire(request_type="grpc", name="E2E", response_time=result.e2e * 1000, response_length=tokens,
-             exception=None, context={})
-        if _records is not None:
-            _records.write(RequestRecord(start=start, end=start + result.e2e, ok=True, ttft=result.ttft,
-                                         tpot=result.tpot, e2e=result.e2e, input_tokens=result.num_input_tokens,
-                                         output_tokens=tokens))
-
-    def _report_failure(self, start: float, exc: Exception) -> None:
-        end = time.time()
-        self.environment.events.request.fire(request_type="grpc", name="E2E", response_time=(end - start) * 1000,
-                                             response_length=0, exception=exc, context={})
-        if _records is not None:
-            _records.write(RequestRecord(start=start, end=end, ok=False, error=f"{type(exc).__name__}: {exc}"))
+        return stream.result

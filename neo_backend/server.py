@@ -259,11 +259,32 @@ def stop_server(process: subprocess.Popen, timeout: float = EXIT_TIMEOUT_S + KIL
     return process.returncode
 
 
+def launch_gateway(address: ServerAddress, extra_args: list[str] = (), stdout: IO | int | None = None
+                   ) -> subprocess.Popen:
+    """Start the OpenAI-compatible gateway (`python -m openai_frontend`) in front of this server's gRPC port.
+
+    It reads where it listens and its API key itself (NEO_OPENAI_HOST, NEO_OPENAI_PORT, NEO_OPENAI_API_KEY).
+    """
+    command = [sys.executable, "-m", "openai_frontend", "--triton-url", address.url("grpc"), *extra_args]
+    return subprocess.Popen(command, stdout=stdout, stderr=subprocess.STDOUT if stdout is not None else None)
+
+
+def stop_gateway(process: subprocess.Popen, timeout: float = EXIT_TIMEOUT_S) -> int:
+    process.terminate()
+    try:
+        return process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        return process.wait(timeout)
+
+
 def serve(args: object = None) -> int:
-    """Run tritonserver in the foreground until it exits; SIGTERM or SIGINT stops it (see `stop_server`)."""
+    """Run tritonserver, and the OpenAI gateway beside it unless NEO_OPENAI_PORT=off, in the foreground until
+    either exits; SIGTERM or SIGINT stops both (see `stop_server`)."""
     address = ServerAddress.from_env()
     repository = Path(os.environ.get("NEO_MODEL_REPOSITORY") or DEFAULT_MODEL_REPOSITORY)
     overrides = knob_overrides(repository)
+    with_gateway = os.environ.get("NEO_OPENAI_PORT", "").strip().lower() != "off"
     log.info("model %s, knob overrides: %s", MODEL_NAME, overrides or "none")
     log.info("endpoints: HTTP %s, gRPC %s, metrics http://%s/metrics", address.url("http"), address.url("grpc"),
              address.url("metrics"))
@@ -273,8 +294,14 @@ def serve(args: object = None) -> int:
         with tempfile.TemporaryDirectory(prefix="neo-triton-") as work_dir:
             process = launch(address, overrides, work_dir=Path(work_dir), repository=repository,
                              extra_args=shlex.split(os.environ.get("NEO_TRITON_ARGS", "")))
-            while process.poll() is None and not stopping.wait(0.5):
+            gateway = launch_gateway(address) if with_gateway else None
+            while (process.poll() is None and (gateway is None or gateway.poll() is None)
+                   and not stopping.wait(0.5)):
                 pass
+            if gateway is not None:
+                if gateway.poll() is not None and not stopping.is_set():
+                    log.error("the OpenAI gateway exited with %s; stopping tritonserver", gateway.returncode)
+                stop_gateway(gateway)
             if stopping.is_set():
                 log.info("stopping tritonserver")
             return stop_server(process)  # also for a server that exited on its own: it may have left stubs

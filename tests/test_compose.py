@@ -131,11 +131,24 @@ def test_locust_service_matches_make_loadtest(compose):
     assert "-m loadtest" in recipe and "-m loadtest" in command
     make_flags = set(re.findall(r"--[a-z-]+", recipe))
     assert make_flags == set(re.findall(r"--[a-z-]+", command)), "locust service flags differ from make loadtest"
-    for variable in ("DURATION", "USERS", "WORKLOAD", "RATE"):
+    for variable in ("DURATION", "USERS", "WORKLOAD", "RATE", "API"):
         assert f"$(${variable})" in recipe or f"$({variable})" in recipe
         assert f"$${variable}" in command or f"$${{{variable}" in command, f"{variable} is not passed on"
         default = makefile_default(variable)
         assert locust["environment"][variable] == f"${{{variable}:-{default}}}", f"{variable} default differs from the Makefile"
     assert locust["environment"]["NEO_HOST"] == "triton"
+    assert (locust["environment"]["NEO_OPENAI_HOST"], locust["environment"]["NEO_OPENAI_PORT"]) == ("openai", "9000")
     ui = compose["services"]["locust-ui"]
     assert ui["profiles"] == ["ui"] and "loadtest/locustfile.py" in shlex.join(ui["command"])
+
+
+def test_openai_service_fronts_the_triton_service(compose):
+    services = compose["services"]
+    openai, triton = services["openai"], services["triton"]
+    assert openai["command"][1:] == ["-m", "openai_frontend"]
+    assert openai["environment"]["NEO_OPENAI_TRITON_URL"] == f"triton:{read_env_file(ENV_FILE)['NEO_GRPC_PORT']}"
+    assert openai["ports"] == [f"{openai['environment']['NEO_OPENAI_PORT']}:9000"]
+    assert ":9000/health" in " ".join(openai["healthcheck"]["test"])
+    assert openai["depends_on"]["triton"]["condition"] == "service_healthy"
+    assert triton["environment"]["NEO_OPENAI_PORT"] == "off", "the triton service must not start a second gateway"
+    assert services["locust"]["depends_on"]["openai"]["condition"] == "service_healthy"
