@@ -21,6 +21,8 @@ import sys
 import sysconfig
 import tempfile
 import threading
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Mapping
@@ -286,8 +288,7 @@ def serve(args: object = None) -> int:
     overrides = knob_overrides(repository)
     with_gateway = os.environ.get("NEO_OPENAI_PORT", "").strip().lower() != "off"
     log.info("model %s, knob overrides: %s", MODEL_NAME, overrides or "none")
-    log.info("endpoints: HTTP %s, gRPC %s, metrics http://%s/metrics", address.url("http"), address.url("grpc"),
-             address.url("metrics"))
+    gateway_url = _gateway_url() if with_gateway else None
     stopping = threading.Event()
     previous = {s: signal.signal(s, lambda signum, _frame: stopping.set()) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -295,9 +296,13 @@ def serve(args: object = None) -> int:
             process = launch(address, overrides, work_dir=Path(work_dir), repository=repository,
                              extra_args=shlex.split(os.environ.get("NEO_TRITON_ARGS", "")))
             gateway = launch_gateway(address) if with_gateway else None
+            announced = False
             while (process.poll() is None and (gateway is None or gateway.poll() is None)
                    and not stopping.wait(0.5)):
-                pass
+                if not announced and is_ready(address):
+                    announced = True
+                    for line in ready_banner(address, gateway_url):
+                        log.info("%s", line)
             if gateway is not None:
                 if gateway.poll() is not None and not stopping.is_set():
                     log.error("the OpenAI gateway exited with %s; stopping tritonserver", gateway.returncode)
@@ -308,6 +313,37 @@ def serve(args: object = None) -> int:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def is_ready(address: ServerAddress, timeout: float = 1.0) -> bool:
+    """Whether the server answers HTTP /v2/health/ready with 200 (the model has loaded, profiled and allocated)."""
+    try:
+        with urllib.request.urlopen(f"http://{address.url('http')}/v2/health/ready", timeout=timeout) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def ready_banner(address: ServerAddress, gateway_url: str | None) -> list[str]:
+    """What a user needs once the stack is ready: where each endpoint is and one command to try."""
+    lines = [f"ready: model {MODEL_NAME!r}",
+             f"  Triton gRPC      {address.url('grpc')}",
+             f"  Triton HTTP      http://{address.url('http')}/v2/models/{MODEL_NAME}/generate",
+             f"  metrics          http://{address.url('metrics')}/metrics"]
+    if gateway_url:
+        lines.append(f"  OpenAI API       {gateway_url}/v1")
+    lines.append(f"  try:  {sys.executable} -m client --url {address.url('grpc')} --max-tokens 16 "
+                 f"\"The capital of France is\"")
+    if gateway_url:
+        lines.append(f"  or:   curl -s {gateway_url}/v1/completions -H 'Content-Type: application/json' -d "
+                     f"'{{\"model\": \"{MODEL_NAME}\", \"prompt\": \"The capital of France is\", \"max_tokens\": 16}}'")
+    return lines
+
+
+def _gateway_url() -> str:
+    from openai_frontend.config import GatewayConfig
+
+    return GatewayConfig.from_env().url
 
 
 def _read_config(config_path: Path):

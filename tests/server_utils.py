@@ -13,15 +13,13 @@ import signal
 import subprocess
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Mapping
 
 from loadtest.metrics import metric_value, scrape_metrics  # noqa: F401  (re-exported for the tests)
-from neo_backend.server import (DEFAULT_MODEL_REPOSITORY, MODEL_NAME, ServerAddress, free_ports, launch,  # noqa: F401
-                                signal_server, stop_server)
+from neo_backend.server import (DEFAULT_MODEL_REPOSITORY, MODEL_NAME, ServerAddress, free_ports, is_ready,  # noqa: F401
+                                launch, signal_server, stop_server)
 
 READY_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 30.0
@@ -54,11 +52,7 @@ class RunningServer:
         return self.log()[-chars:]
 
     def is_ready(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as response:
-                return response.status == 200
-        except (urllib.error.URLError, OSError):
-            return False
+        return is_ready(self.address, timeout=2)
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout

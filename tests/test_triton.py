@@ -21,7 +21,7 @@ from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 from neo_backend import ConfigError, EngineConfig, LLMEngine
 from neo_backend.server import (DEFAULT_MODEL_REPOSITORY, MODEL_NAME, ServerAddress, knob_overrides,
                                 read_parameters)
-from server_utils import (RunningServer, kv_blocks_used, metric_value, requests_in_engine, scrape_metrics,
+from server_utils import (RunningServer, free_ports, kv_blocks_used, metric_value, requests_in_engine, scrape_metrics,
                           triton_server, wait_for_metrics)
 
 # Small pools and a short max_model_len keep start-up quick and make "prompt too long" cheap to hit.
@@ -327,3 +327,42 @@ def test_sigterm_ends_in_flight_streams_with_an_error():
         assert all("shutting down" in str(r.error) for r in results), [(r.error, r.text) for r in results]
         assert server.process.wait(30) == 0, server.log_tail()
         assert time.monotonic() - started < 30
+
+
+def test_serve_says_how_to_reach_it_and_stops_cleanly_on_sigterm(tmp_path):
+    """`make serve`'s command: once the stack is ready its log ends with every endpoint and a command to try, which
+    answers; SIGTERM to its process group stops tritonserver, the stub and the gateway within 15 s, cleanly."""
+    import os
+    import shlex
+    import signal
+    import subprocess
+    import sys
+
+    http, grpc, metrics, openai = free_ports(4)
+    env = {**os.environ, "NEO_HTTP_PORT": str(http), "NEO_GRPC_PORT": str(grpc), "NEO_METRICS_PORT": str(metrics),
+           "NEO_OPENAI_PORT": str(openai), "NEO_NUM_GPU_BLOCKS": "256"}
+    log_path = tmp_path / "serve.log"
+    with log_path.open("w") as log:
+        process = subprocess.Popen([sys.executable, "-m", "neo_backend", "serve"], stdout=log,
+                                   stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while "  or:   curl" not in log_path.read_text() and time.monotonic() < deadline:
+            assert process.poll() is None, log_path.read_text()[-4000:]
+            time.sleep(0.5)
+        time.sleep(2)
+        tail = log_path.read_text().splitlines()[-7:]
+        assert tail[0].endswith("ready: model 'neo'"), tail
+        for needle in (f"127.0.0.1:{grpc}", f"http://127.0.0.1:{http}/v2/models/neo/generate",
+                       f"http://127.0.0.1:{metrics}/metrics", f"http://127.0.0.1:{openai}/v1"):
+            assert any(needle in line for line in tail), (needle, tail)
+        command = shlex.split(next(line for line in tail if "try:" in line).split("try:", 1)[1])
+        answer = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        assert answer.returncode == 0 and answer.stdout.strip(), answer
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        started = time.monotonic()
+        code = process.wait(30)
+    output = log_path.read_text()
+    assert time.monotonic() - started < 15, output[-3000:]
+    assert code == 0 and "terminate called" not in output, output[-3000:]
