@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The NEO paper's small-GPU settings emulated on the H200: an 8-SM partition (`--gpu-sm-count 8`, ~640 GB/s and
 # ~55 TFLOP/s, an A10G-class device) and a memory budget, dummy bf16 weights, the paper's A10G trace. Steps, in
-# the order given (each a few minutes; a device call holds about two):
+# the order given (each a few minutes):
 #   bash bench/h200_emulated.sh tests roofline c   # CUDA tests of the partition, its roofline, (c) full H200
 #   bash bench/h200_emulated.sh d                  # (d) A10G-class: Llama-3-8B shape, 24 GB, never and auto
 #   bash bench/h200_emulated.sh e                  # (e) T4-class memory: Llama-2-7B shape (MHA), 16 GB
