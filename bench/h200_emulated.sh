@@ -7,11 +7,11 @@
 #   bash bench/h200_emulated.sh e                  # (e) T4-class memory: Llama-2-7B shape (MHA), 16 GB
 # (e) runs on 8 SMs, twice a T4's bandwidth: the smallest partition. The policies of a setting share one engine
 # (bench/serving.py); settings run one after another, as every partition is the device's first 8 SMs.
-# Results in $OUT; the tokenizer as in bench/h200.sh.
+# Results in $OUT. TOKENIZER names a tokenizer directory, as for bench/h200.sh.
 set -u
 export PYTHONUNBUFFERED=1 OUT="${OUT:-bench/results/h200-run}"
 mkdir -p "$OUT"
-TOKENIZER="${TOKENIZER:-.carry/tokenizer}"
+TOKENIZER="${TOKENIZER:?set TOKENIZER to a tokenizer directory: the dummy shapes have none (bench/h200.sh says which)}"
 step() { local limit=$1; shift; echo "=== $* (limit ${limit}s)"; timeout "$limit" "$@"; echo "=== exit $?"; }
 SERVE=(python3 bench/serving.py --policies never auto --gpu-sm-count 8 --warmup-seconds 10 --tokenizer "$TOKENIZER")
 {
