@@ -229,6 +229,13 @@ def main() -> int:
     offline: dict[str, dict] = {}
     report: dict = {}
 
+    def save() -> None:
+        """The report so far, written after every run so a benchmark cut short keeps what it measured."""
+        nonlocal report
+        report = build_report(results, offline, args, num_gpu_blocks)
+        if args.json:
+            args.json.write_text(json.dumps(report, indent=1, default=str))
+
     def run(policy: str, label: str, trace) -> dict:
         before = front.engine.stats_snapshot()
         iteration_log.start(f"{policy} {label.strip()}")
@@ -250,20 +257,14 @@ def main() -> int:
         replay(front, make_trace(8, 100.0, args.workload, vocab, 7, tuple(args.fixed)), args.timeout)
         results[policy] = []
         for rate in args.rates:
-            if not rate:
-                continue
             num = max(8, math.ceil(rate * args.seconds_per_rate)) if args.seconds_per_rate else args.num_requests
             trace = make_trace(num, rate, args.workload, vocab, int(rate * 1000), tuple(args.fixed))
             results[policy].append({"rate": rate, **run(policy, f"rate {rate:6.2f}", trace)})
-            report = build_report(results, offline, args, num_gpu_blocks)
-            if args.json:  # after every rate, so a run cut short keeps what it measured
-                args.json.write_text(json.dumps(report, indent=1, default=str))
+            save()
         if args.offline:
             trace = make_trace(args.offline, float("inf"), args.workload, vocab, 1, tuple(args.fixed))
             offline[policy] = run(policy, "offline   ", trace)
-            report = build_report(results, offline, args, num_gpu_blocks)
-            if args.json:
-                args.json.write_text(json.dumps(report, indent=1, default=str))
+            save()
     front.shutdown()
     print(json.dumps({k: report.get(k) for k in ("paper_metric", "slo_tpot_p99_s", "best_throughput_under_slo",
                                                  "ratios_over_never", "offline_ratios_over_never")}))

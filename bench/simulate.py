@@ -4,10 +4,11 @@
 
 Each iteration the engine's `Scheduler` plans as in serving; the iteration then takes the time the cost model
 gives for its mode (GPU-only, sequential or pipelined, the same formulas as `PerfModel`) plus its swaps at the
-rate the engine lands them, and every scheduled request advances. The cost model is built from a device's bandwidth and matrix
-rate and the host's attention bandwidth and hand-off cost (`Roofline`); the defaults of each setting are the
-H200's 8-SM partition and its 16-core host as measured (bench/RESULTS.md). A design tool for the policy, run in seconds on
-a laptop; it says nothing about the engine's own overheads, which only `bench/serving.py` on the GPU measures.
+rate the engine lands them, and every scheduled request advances. The cost model is built from a device's
+bandwidth and matrix rate and the host's attention bandwidth and hand-off cost (`Roofline`); the defaults of
+each setting are the H200's 8-SM partition and its 16-core host as measured (bench/RESULTS.md). A design tool
+for the policy, run in seconds on a laptop; it says nothing about the engine's own overheads, which only
+`bench/serving.py` on the GPU measures.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from neo_backend import EngineConfig, ModelConfig, SamplingParams  # noqa: E402
 from neo_backend.block_manager import BlockManager  # noqa: E402
 from neo_backend.host_kv import BlockSwapper, HostKVCache  # noqa: E402
 from neo_backend.perf_model import PerfModel  # noqa: E402
+from neo_backend.profiler import DENSE_PROFILE_TOKENS  # noqa: E402
 from neo_backend.scheduler import Scheduler, SchedulerOutput  # noqa: E402
 from neo_backend.sequence import Sequence  # noqa: E402
 
@@ -55,7 +57,7 @@ class Roofline:
         return max(self.weight_bytes / self.gpu_bw, flops / self.gpu_flops) + self.step_overhead_s
 
     def perf_model(self) -> PerfModel:
-        points = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048]
+        points = [*DENSE_PROFILE_TOKENS, 2048]   # what the profiler measures at the default token budget
         return PerfModel(points, [self.dense(t) for t in points], self.kv_bytes_per_token / self.gpu_bw,
                          self.cpu_fixed_s, self.cpu_per_request_s, self.kv_bytes_per_token / self.cpu_bw)
 

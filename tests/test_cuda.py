@@ -121,9 +121,9 @@ def test_sm_partition_confines_a_bandwidth_bound_step(tmp_path, tiny_model_dirs)
     (tmp_path / "config.json").write_text(json.dumps(config))
     times = {}
     for sm_count in (None, 8):
-        engine = LLMEngine(EngineConfig(model=str(tmp_path), load_format="dummy", tokenizer=str(tiny_model_dirs["llama3"]),
-                                        device="cuda", num_gpu_blocks=256, max_num_seqs=64, offload_policy="never",
-                                        gpu_sm_count=sm_count))
+        engine = LLMEngine(EngineConfig(model=str(tmp_path), load_format="dummy",
+                                        tokenizer=str(tiny_model_dirs["llama3"]), device="cuda", num_gpu_blocks=256,
+                                        max_num_seqs=64, offload_policy="never", gpu_sm_count=sm_count))
         times[sm_count] = _decode_graph_seconds(engine)
         del engine
     assert times[8] >= 4 * times[None], times
