@@ -9,7 +9,7 @@
 # (bench/serving.py); settings run one after another, as every partition is the device's first 8 SMs.
 # Results in $OUT. TOKENIZER names a tokenizer directory, as for bench/h200.sh.
 set -u
-export PYTHONUNBUFFERED=1 OUT="${OUT:-bench/results/h200-run}"
+export PYTHONUNBUFFERED=1 OUT="${OUT:-bench/results/tmp}"
 mkdir -p "$OUT"
 TOKENIZER="${TOKENIZER:?set TOKENIZER to a tokenizer directory: the dummy shapes have none (bench/h200.sh says which)}"
 step() { local limit=$1; shift; echo "=== $* (limit ${limit}s)"; timeout "$limit" "$@"; echo "=== exit $?"; }
@@ -22,17 +22,17 @@ SERVE=(python3 bench/serving.py --policies never auto --gpu-sm-count 8 --warmup-
         step 110 python3 -m pytest -q -x -s -p no:cacheprovider tests/test_cuda.py -k "partition or greedy" ;;
       roofline)
         step 140 python3 bench/engine.py --roofline --gpu-sm-count 8 --tokenizer "$TOKENIZER" \
-            --json "$OUT/engine_8sm.json" ;;
+            --json "$OUT/h200_engine_roofline_8sm.json" ;;
       c)
         step 170 python3 bench/serving.py --rates 8 16 --num-requests 60 --policies never auto --cpu-kv-cache-gb 16 \
-            --tokenizer "$TOKENIZER" --json "$OUT/serving_c_full.json" ;;
+            --tokenizer "$TOKENIZER" --json "$OUT/h200_serving_c_full.json" ;;
       d)
         step 470 "${SERVE[@]}" --gpu-memory-gb 24 --rates 0.5 1.5 2.5 --seconds-per-rate 36 --offline 40 \
-            --cpu-kv-cache-gb 32 --json "$OUT/serving_d_a10g.json" ;;
+            --cpu-kv-cache-gb 32 --json "$OUT/h200_serving_d_a10g.json" ;;
       e)
         step 575 "${SERVE[@]}" --model bench/configs/llama2-7b --load-format dummy --gpu-memory-gb 16 \
             --rates 0.1 0.25 0.4 --seconds-per-rate 45 --offline 12 --cpu-kv-cache-gb 48 \
-            --json "$OUT/serving_e_t4mem.json" ;;
+            --json "$OUT/h200_serving_e_t4mem.json" ;;
     esac
   done
 } 2>&1 | tee "$OUT/log_$(IFS=_; echo "$*").txt" | grep -v "INFO\|WARNING"

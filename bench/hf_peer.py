@@ -1,6 +1,6 @@
 """A peer on the same GPU: Hugging Face transformers against the engine on one offline workload.
 
-    python bench/hf_peer.py --tokenizer .carry/tokenizer --json hf_peer.json     # Llama-3-8B shape, bf16, CUDA
+    python bench/hf_peer.py --tokenizer "$TOKENIZER" --json hf_peer.json     # Llama-3-8B shape, bf16, CUDA
     python bench/hf_peer.py --device cpu --model /tmp/tiny --num-requests 4 --prompt-len 32 --output-len 8
 
 The workload: --num-requests prompts of --prompt-len random token ids (seeded), all submitted at once, each

@@ -1,7 +1,7 @@
 """Figures and headline numbers of the H200 runs: one PNG per serving scenario and bench/results/h200.json.
 
     python bench/plots.py                          # the default inputs under bench/results/
-    python bench/plots.py --serving-b run/serving_b_80gb.json --hf-peer run/hf_peer.json
+    python bench/plots.py --serving-b $OUT/h200_serving_b_80gb.json --hf-peer $OUT/h200_hf_peer.json
 
 Per scenario (the JSON of `bench/serving.py --json`): throughput in output tokens/s on x against the mean
 per-token latency and the P99 TPOT on y, one curve per offload policy (as in the NEO paper's figures 9-10),
@@ -113,7 +113,7 @@ def main() -> int:
     for name, (default, title) in SCENARIOS.items():
         parser.add_argument(f"--serving-{name.split('_')[0]}", type=Path, default=default, dest=name,
                             help=f"serving.py JSON of {title}")
-    parser.add_argument("--roofline", type=Path, default=RESULTS / "h200_engine_roofline_session3.json",
+    parser.add_argument("--roofline", type=Path, default=RESULTS / "h200_engine_roofline.json",
                         help="bench/engine.py --roofline JSON")
     parser.add_argument("--hf-peer", type=Path, default=RESULTS / "h200_hf_peer.json", help="bench/hf_peer.py JSON")
     parser.add_argument("--out-dir", type=Path, default=RESULTS, help="where the PNGs and h200.json go")
