@@ -38,7 +38,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from neo_backend import cpu_attention as ca  # noqa: E402
-from neo_backend.host_kv import huge_page_tensor  # noqa: E402
+from neo_backend.host_pool import huge_page_tensor  # noqa: E402
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 # Working sets are kept at >= 8x the LLC: a large LLC (300 MiB on the H200 host) otherwise keeps part of

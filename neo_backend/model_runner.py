@@ -13,13 +13,15 @@ from . import cpu_attention
 from .config import EngineConfig, ModelConfig
 from .cuda_graphs import DecodeGraphs, DecodeInputs, LaneGraphs
 from .gpu_partition import sm_partition
-from .host_kv import BlockSwapper, HostAttention, HostDecodeBatch, HostKVCache, host_available_bytes
+from .host_kv import HostAttention, HostDecodeBatch
+from .host_pool import HostKVCache, host_available_bytes
 from .layers.attention import AttentionMetadata, PrefillChunk
 from .layers.sampler import SampleResult, Sampler
 from .loader import ModelSource, load_model
 from .pipeline import PipelinedExecutor, SubBatch
 from .scheduler import SchedulerOutput
 from .sequence import Sequence
+from .swapper import BlockSwapper
 
 log = logging.getLogger("neo_backend")
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from neo_backend import EngineConfig, LLMEngine, cpu_attention
-from neo_backend.host_kv import HUGE_PAGE_BYTES, huge_page_tensor
+from neo_backend.host_pool import HUGE_PAGE_BYTES, huge_page_tensor
 from neo_backend.streaming import StreamingEngine
 
 from test_generation import _collect, _host_attention_predicted_free, _mixed_requests, _outputs
