@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from kernel import BENCH_SHAPE, Case, bench_case, median_seconds  # noqa: E402
 from neo_backend import cpu_attention as ca  # noqa: E402
-from neo_backend import kernel_build  # noqa: E402
+from neo_backend.cpu import build as kernel_build  # noqa: E402
 
 WORKING_TREE = "worktree"
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import kernel_build
+from .cpu import build as kernel_build
 from .errors import KernelError, KernelInputError
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from . import cpu_attention
-from .cpus import attention_cpus, pin_current_thread
+from .cpu.affinity import attention_cpus, pin_current_thread
 from .host_pool import HostKVCache
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from neo_backend import cpu_attention as ca
-from neo_backend import kernel_build
+from neo_backend.cpu import build as kernel_build
 from neo_backend.errors import KernelInputError
 
 pytestmark = pytest.mark.timeout(120)
