@@ -1,4 +1,5 @@
-"""NEO's CPU decode attention over the host KV pool."""
+"""Decode attention of the CPU-requests over the host KV pool: what the model runner, the pipeline and the
+profiler call to run attention on the host."""
 from __future__ import annotations
 
 import time
@@ -6,9 +7,11 @@ from dataclasses import dataclass
 
 import torch
 
-from . import cpu_attention
-from .cpu.affinity import attention_cpus, pin_current_thread
-from .host_pool import HostKVCache
+from ..host_pool import HostKVCache
+from . import library
+from .affinity import attention_cpus, pin_current_thread
+from .handoff import Flags, IterationLane
+from .ops import Kernels
 
 
 @dataclass
@@ -27,26 +30,36 @@ class HostDecodeBatch:
         return int(self.context_lens.sum())
 
 
+def attention_threads(requested: int | None, cpus: set[int], engine_cpu: int | None, device: torch.device) -> int:
+    """The OpenMP team's size: `requested`, else one thread per CPU in `cpus` (the attention's CPUs)."""
+    if requested:
+        return requested
+    if engine_cpu is None and device.type == "cuda":
+        # one core stays with the thread that launches the device work: OpenMP's static schedule waits
+        # for its slowest thread, and a team on every core shares one with that thread
+        return max(1, len(cpus) - 1)
+    return len(cpus)
+
+
 class HostAttention:
     """Decode attention of CPU-requests: q/k/v of the new token go down, the kernel appends k/v to the host
     pool and attends (GIL released), the output goes back up. Times every call for the fail-safe."""
 
     def __init__(self, host: HostKVCache, scale: float, device: torch.device, num_threads: int | None,
-                 engine_cpu: int | None = None) -> None:
+                 engine_cpu: int | None) -> None:
+        """`num_threads`: the kernels' team (None: see `attention_threads`); `engine_cpu`: the CPU the
+        kernels stay off."""
         self.host = host
         self.scale = scale
         self.device = device
         self.engine_cpu = engine_cpu
         self.cpus = attention_cpus(engine_cpu)
-        if not num_threads and engine_cpu is not None:
-            num_threads = len(self.cpus)
-        elif not num_threads and device.type == "cuda":
-            # one core stays with the thread that launches the device work: OpenMP's static schedule waits
-            # for its slowest thread, and a team on every core shares one with that thread
-            num_threads = max(1, len(self.cpus) - 1)
-        if num_threads:
-            cpu_attention.set_num_threads(num_threads)
+        self.kernels = Kernels(library.default(), attention_threads(num_threads, self.cpus, engine_cpu, device))
         self.seconds = 0.0
+
+    @property
+    def num_threads(self) -> int:
+        return self.kernels.num_threads
 
     def enter_thread(self) -> None:
         """Run first by a thread that will call the kernels: with `engine_cpu` set, it and the OpenMP team it
@@ -57,21 +70,20 @@ class HostAttention:
         k_cache, v_cache = self.host.k_caches[0], self.host.v_caches[0]
         q = torch.zeros(1, *k_cache.shape[2:], dtype=k_cache.dtype)
         one = torch.ones(1, 1, dtype=torch.int32)
-        cpu_attention.paged_decode_attention(q, k_cache, v_cache, one - 1, one[0], self.scale)
+        self.kernels.paged_decode_attention(q, k_cache, v_cache, one - 1, one[0], self.scale)
 
     def run(self, layer: int, batch: HostDecodeBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             out: torch.Tensor) -> None:
         """q [B, Hq, D], k/v [B, Hkv, D] on the host (already copied down) -> attention output into `out`."""
         start = time.perf_counter()
-        cpu_attention.append_kv(k, v, self.host.k_caches[layer], self.host.v_caches[layer], batch.slots)
-        cpu_attention.paged_decode_attention(q, self.host.k_caches[layer], self.host.v_caches[layer],
-                                             batch.block_tables, batch.context_lens, self.scale, out=out)
+        self.kernels.append_kv(k, v, self.host.k_caches[layer], self.host.v_caches[layer], batch.slots)
+        self.kernels.paged_decode_attention(q, self.host.k_caches[layer], self.host.v_caches[layer],
+                                            batch.block_tables, batch.context_lens, self.scale, out=out)
         self.seconds += time.perf_counter() - start
 
-    def run_iteration(self, lanes: list[cpu_attention.IterationLane], done: cpu_attention.Flags,
-                      timeout_s: float) -> None:
+    def run_iteration(self, lanes: list[IterationLane], done: Flags, timeout_s: float) -> None:
         """Every layer of a pipelined iteration, each step once its lane's ready flag is set (see
-        `cpu_attention.decode_iteration`)."""
-        seconds = cpu_attention.decode_iteration(self.host.k_caches, self.host.v_caches, lanes, done, self.scale,
-                                                 timeout_s)
+        `Kernels.decode_iteration`)."""
+        seconds = self.kernels.decode_iteration(self.host.k_caches, self.host.v_caches, lanes, done, self.scale,
+                                                timeout_s)
         self.seconds += float(seconds.sum())
