@@ -43,9 +43,8 @@ class HostKVCache:
 def huge_page_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialized host tensor that asks Linux for transparent huge pages before its first touch (where
     the system's THP mode is `never`, or off Linux, it gets ordinary pages). It starts on a 2 MiB boundary, so
-    all of it can be huge pages and each KV block starts on a page (the kernel read 4% faster on the Zen 4 VM
-    than from torch.empty's placement, paired calls). Left untouched, it takes memory only as blocks are first
-    written, like any large allocation."""
+    all of it can be huge pages and each KV block starts on a page. Left untouched, it takes memory only as
+    blocks are first written, like any large allocation."""
     nbytes = math.prod(shape) * dtype.itemsize
     advised = -(-nbytes // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES  # whole huge pages
     raw = torch.empty(advised + HUGE_PAGE_BYTES, dtype=torch.uint8)
