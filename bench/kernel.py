@@ -36,9 +36,13 @@ import torch
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
 
-from neo_backend import cpu_attention as ca  # noqa: E402
-from neo_backend.host_kv import huge_page_tensor  # noqa: E402
+from kernel_helpers import reference_paged_decode_attention  # noqa: E402
+from neo_backend.cpu import build, library  # noqa: E402
+from neo_backend.cpu.ops import Kernels  # noqa: E402
+from neo_backend.cpu.validation import check_tensor  # noqa: E402
+from neo_backend.host_pool import huge_page_tensor  # noqa: E402
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 # Working sets are kept at >= 8x the LLC: a large LLC (300 MiB on the H200 host) otherwise keeps part of
@@ -86,20 +90,20 @@ class Case:
         self.scale = 1.0 / math.sqrt(head_dim)
         self._next = 0
 
-    def run(self, threads: int, table: torch.Tensor | None = None) -> None:
+    def run(self, kernels: Kernels, table: torch.Tensor | None = None) -> None:
         """One call over block table `table`: one of `tables` or `hot_table` (default: the next KV copy's)."""
         if table is None:
             table, self._next = self.tables[self._next], (self._next + 1) % len(self.tables)
-        ca.paged_decode_attention(self.q, self.k_cache, self.v_cache, table, self.context_lens, self.scale,
-                                  out=self.out, num_threads=threads)
+        kernels.paged_decode_attention(self.q, self.k_cache, self.v_cache, table, self.context_lens, self.scale,
+                                       out=self.out)
 
-    def check(self, threads: int) -> float:
+    def check(self, kernels: Kernels) -> float:
         """Max relative error (per output row) against the float64 reference, on fp32 queries."""
         q = self.q.float()
-        out = ca.paged_decode_attention(q, self.k_cache, self.v_cache, self.tables[0], self.context_lens,
-                                        self.scale, num_threads=threads)
-        ref = ca.reference_paged_decode_attention(q, self.k_cache, self.v_cache, self.tables[0],
-                                                  self.context_lens, self.scale)
+        out = kernels.paged_decode_attention(q, self.k_cache, self.v_cache, self.tables[0], self.context_lens,
+                                             self.scale)
+        ref = reference_paged_decode_attention(q, self.k_cache, self.v_cache, self.tables[0], self.context_lens,
+                                               self.scale)
         return float(((out.double() - ref).abs().amax(-1) / ref.abs().amax(-1)).max())
 
 
@@ -120,29 +124,35 @@ def median_seconds(call: Callable[[], object], reps: int) -> float:
     return statistics.median(times)
 
 
-def kernel_gbps(case: Case, threads: int, reps: int, table: torch.Tensor | None = None) -> float:
-    return case.kv_bytes / median_seconds(lambda: case.run(threads, table), reps) / 1e9
+def stream_read(kernels: Kernels, buf: torch.Tensor) -> float:
+    """Sums a float32 buffer with the kernels' threads and SIMD path: the memory-bandwidth yardstick."""
+    check_tensor("buf", buf, 1, (torch.float32,))
+    return kernels.lib.neo_stream_read(buf.data_ptr(), buf.numel(), kernels.num_threads)
 
 
-def stream_gbps(buf: torch.Tensor, threads: int, reps: int) -> float:
-    return buf.numel() * buf.element_size() / median_seconds(lambda: ca.stream_read(buf, threads), reps) / 1e9
+def kernel_gbps(case: Case, kernels: Kernels, reps: int, table: torch.Tensor | None = None) -> float:
+    return case.kv_bytes / median_seconds(lambda: case.run(kernels, table), reps) / 1e9
 
 
-def measure(case: Case, buf: torch.Tensor, threads: int, rounds: int, reps: int) -> tuple[float, float]:
+def stream_gbps(buf: torch.Tensor, kernels: Kernels, reps: int) -> float:
+    return buf.numel() * buf.element_size() / median_seconds(lambda: stream_read(kernels, buf), reps) / 1e9
+
+
+def measure(case: Case, buf: torch.Tensor, kernels: Kernels, rounds: int, reps: int) -> tuple[float, float]:
     """Medians over `rounds` of interleaved (kernel, stream) measurements, after one warm-up of each."""
-    kernel_gbps(case, threads, 1)
-    stream_gbps(buf, threads, 1)
+    kernel_gbps(case, kernels, 1)
+    stream_gbps(buf, kernels, 1)
     kv, st = [], []
     for _ in range(rounds):
-        kv.append(kernel_gbps(case, threads, reps))
-        st.append(stream_gbps(buf, threads, max(1, reps // 2)))
+        kv.append(kernel_gbps(case, kernels, reps))
+        st.append(stream_gbps(buf, kernels, max(1, reps // 2)))
     return statistics.median(kv), statistics.median(st)
 
 
-def hot_gbps(case: Case, threads: int, rounds: int, reps: int) -> float:
+def hot_gbps(case: Case, kernels: Kernels, rounds: int, reps: int) -> float:
     """Median over `rounds` of the kernel's speed with the KV in L2 (the hot table), after one warm-up."""
-    kernel_gbps(case, threads, 1, case.hot_table)
-    return statistics.median(kernel_gbps(case, threads, reps, case.hot_table) for _ in range(rounds))
+    kernel_gbps(case, kernels, 1, case.hot_table)
+    return statistics.median(kernel_gbps(case, kernels, reps, case.hot_table) for _ in range(rounds))
 
 
 def sweep(buf: torch.Tensor, max_threads: int, rounds: int, path: pathlib.Path) -> None:
@@ -156,7 +166,7 @@ def sweep(buf: torch.Tensor, max_threads: int, rounds: int, path: pathlib.Path) 
             for batch, context in ((8, 1024), (32, 1024), (32, 4096), (1, 16384), (64, 512)):
                 case = Case(batch, context, 32, 8, 128, DTYPES[dtype], 16)
                 for threads in thread_counts:
-                    kv, st = measure(case, buf, threads, rounds, reps=5)
+                    kv, st = measure(case, buf, Kernels(library.default(), threads), rounds, reps=5)
                     row = [threads, batch, context, dtype, round(case.kv_bytes / 2**20, 1),
                            round(case.kv_bytes / kv / 1e6, 3), round(kv, 2), round(st, 2), round(kv / st, 3)]
                     w.writerow(row)
@@ -173,14 +183,14 @@ def main() -> int:
     parser.add_argument("--sweep-out", type=pathlib.Path, default=None,
                         help="sweep CSV path (default: bench/results/kernel_sweep_<hostname>.csv)")
     args = parser.parse_args()
-    threads = args.threads or ca.get_num_threads()
+    threads = args.threads or len(os.sched_getaffinity(0))
+    kernels = Kernels(library.default(), threads)
 
-    lib = ca.build()
-    print(f"library {lib}; SIMD path {ca.active_isa()}; threads {threads}; host {socket.gethostname()}; "
-          f"torch {torch.__version__}; LLC {llc_bytes() >> 20} MiB; load average {os.getloadavg()[0]:.2f}",
-          flush=True)
+    print(f"library {build.build()}; SIMD path {library.active_isa(kernels.lib)}; threads {threads}; "
+          f"host {socket.gethostname()}; torch {torch.__version__}; LLC {llc_bytes() >> 20} MiB; "
+          f"load average {os.getloadavg()[0]:.2f}", flush=True)
     case = bench_case()
-    err = case.check(threads)
+    err = case.check(kernels)
     print(f"check vs float64 reference: max rel err {err:.2e}", flush=True)
     if not err <= 1e-3:
         print("FAILED: kernel output disagrees with the reference", file=sys.stderr)
@@ -189,8 +199,8 @@ def main() -> int:
     if args.sweep:
         sweep(buf, threads, max(3, args.rounds // 3),
               args.sweep_out or ROOT / "bench" / "results" / f"kernel_sweep_{socket.gethostname()}.csv")
-    kv, st = measure(case, buf, threads, args.rounds, reps=7)
-    hot = hot_gbps(case, threads, args.rounds, reps=7)
+    kv, st = measure(case, buf, kernels, args.rounds, reps=7)
+    hot = hot_gbps(case, kernels, args.rounds, reps=7)
     print(f"{BENCH_SHAPE}: {case.kv_bytes / 2**20:.0f} MiB KV per call, "
           f"{case.kv_bytes / kv / 1e6:.2f} ms per call (median of {args.rounds} rounds); "
           f"load average {os.getloadavg()[0]:.2f}")

@@ -3,15 +3,16 @@
 
 Builds `kernels/` as of each git revision, or from a folder holding a copy of it (REV_B defaults to the working
 tree), with the project's flags, loads both libraries into this process and calls them in alternation (A B,
-B A, A B, ...) on `make bench-kernel`'s shape, KV from DRAM. On a shared machine the bandwidth drifts by tens of percent between runs; consecutive
-calls see nearly the same machine, so the median of the per-pair speed ratios resolves a few percent where
-two separate runs of bench/kernel.py cannot. Both revisions must have this binding's ABI.
+B A, A B, ...) on `make bench-kernel`'s shape, KV from DRAM. On a shared machine the bandwidth drifts by tens of
+percent between runs; consecutive calls see nearly the same machine, so the median of the per-pair speed ratios
+resolves a few percent where two separate runs of bench/kernel.py cannot. Both revisions must have this
+binding's ABI.
 Dependencies: torch, git, tar and the standard library.
 """
 from __future__ import annotations
 
 import argparse
-import ctypes
+import os
 import pathlib
 import statistics
 import subprocess
@@ -23,8 +24,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from kernel import BENCH_SHAPE, Case, bench_case, median_seconds  # noqa: E402
-from neo_backend import cpu_attention as ca  # noqa: E402
-from neo_backend import kernel_build  # noqa: E402
+from neo_backend.cpu import build, library  # noqa: E402
+from neo_backend.cpu.ops import Kernels  # noqa: E402
 
 WORKING_TREE = "worktree"
 
@@ -33,8 +34,8 @@ def kernel_dir_at(rev: str, scratch: pathlib.Path) -> pathlib.Path:
     """`kernels/` as of `rev`, unpacked under `scratch`; the checkout's own folder for the working tree, `rev`
     itself where it is a folder with the sources (a machine without the git history)."""
     if rev == WORKING_TREE:
-        return kernel_build.KERNEL_DIR
-    if (pathlib.Path(rev) / kernel_build.MAIN_SOURCE).is_file():
+        return build.KERNEL_DIR
+    if (pathlib.Path(rev) / build.MAIN_SOURCE).is_file():
         return pathlib.Path(rev)
     archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "kernels"], capture_output=True, check=True,
                              timeout=60).stdout
@@ -44,9 +45,8 @@ def kernel_dir_at(rev: str, scratch: pathlib.Path) -> pathlib.Path:
     return target / "kernels"
 
 
-def timed_call(case: Case, lib: ctypes.CDLL, threads: int, table: int) -> float:
-    with ca.using_library(lib):
-        return median_seconds(lambda: case.run(threads, case.tables[table]), reps=1)
+def timed_call(case: Case, kernels: Kernels, table: int) -> float:
+    return median_seconds(lambda: case.run(kernels, case.tables[table]), reps=1)
 
 
 def main() -> int:
@@ -57,19 +57,19 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=None, help="default: the cores this process may use")
     parser.add_argument("--pairs", type=int, default=60)
     args = parser.parse_args()
-    threads = args.threads or ca.get_num_threads()
+    threads = args.threads or len(os.sched_getaffinity(0))
 
     with tempfile.TemporaryDirectory() as scratch:
-        libs = [ca.load_library(kernel_build.build(kernel_dir=kernel_dir_at(rev, pathlib.Path(scratch))))
-                for rev in (args.rev_a, args.rev_b)]
+        builds = [Kernels(library.load(build.build(kernel_dir=kernel_dir_at(rev, pathlib.Path(scratch)))), threads)
+                  for rev in (args.rev_a, args.rev_b)]
     case = bench_case()
-    for lib in libs * 2:  # warm-up: thread teams, page faults
-        timed_call(case, lib, threads, 0)
+    for kernels in builds * 2:  # warm-up: thread teams, page faults
+        timed_call(case, kernels, 0)
     ratios, speeds = [], ([], [])
     for pair in range(args.pairs):
         table = pair % len(case.tables)
         order = (0, 1) if pair % 2 == 0 else (1, 0)
-        seconds = {i: timed_call(case, libs[i], threads, table) for i in order}
+        seconds = {i: timed_call(case, builds[i], table) for i in order}
         ratios.append(seconds[0] / seconds[1])
         for i in (0, 1):
             speeds[i].append(case.kv_bytes / seconds[i] / 1e9)

@@ -25,8 +25,8 @@ import torch  # noqa: E402
 
 from common import LLAMA3_8B, placed_sequence, take_blocks, timed  # noqa: E402
 from neo_backend import EngineConfig, LLMEngine  # noqa: E402
-from neo_backend.cpu_attention import Flags, IterationLane  # noqa: E402
-from neo_backend.host_kv import HostAttention, HostDecodeBatch  # noqa: E402
+from neo_backend.cpu.handoff import Flags, IterationLane  # noqa: E402
+from neo_backend.cpu.host_attention import HostAttention, HostDecodeBatch  # noqa: E402
 from neo_backend.pipeline import PipelinedExecutor  # noqa: E402
 from neo_backend.sequence import Placement  # noqa: E402
 
@@ -46,7 +46,7 @@ class CapturingHostAttention(HostAttention):
     alone through the same library loop as the pipeline (`run_iteration`) with every ready flag set."""
 
     def __init__(self, inner: HostAttention) -> None:
-        super().__init__(inner.host, inner.scale, inner.device, None)
+        super().__init__(inner.host, inner.scale, inner.device, inner.num_threads, inner.engine_cpu)
         self.lanes: list[IterationLane] = []
 
     def run_iteration(self, lanes, done, timeout_s):
@@ -66,7 +66,7 @@ class InstantHostAttention(HostAttention):
     """Answers the CPU attention at once: what the iteration costs the GPU alone."""
 
     def __init__(self, inner: HostAttention) -> None:
-        super().__init__(inner.host, inner.scale, inner.device, None)
+        super().__init__(inner.host, inner.scale, inner.device, inner.num_threads, inner.engine_cpu)
 
     def run_iteration(self, lanes, done, timeout_s):
         for step, _, _ in host_steps(lanes, len(self.host.k_caches)):

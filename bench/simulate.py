@@ -26,11 +26,12 @@ import torch  # noqa: E402
 from serving import Record, make_trace, paper_metric, summarize  # noqa: E402
 from neo_backend import EngineConfig, ModelConfig, SamplingParams  # noqa: E402
 from neo_backend.block_manager import BlockManager  # noqa: E402
-from neo_backend.host_kv import BlockSwapper, HostKVCache  # noqa: E402
+from neo_backend.host_pool import HostKVCache  # noqa: E402
 from neo_backend.perf_model import PerfModel  # noqa: E402
 from neo_backend.profiler import DENSE_PROFILE_TOKENS  # noqa: E402
 from neo_backend.scheduler import Scheduler, SchedulerOutput  # noqa: E402
 from neo_backend.sequence import Sequence  # noqa: E402
+from neo_backend.swapper import BlockSwapper  # noqa: E402
 
 BLOCK_SIZE = 16
 SWAP_BYTES_PER_S = 6e9    # a swap as the scheduler waits for it: measured ~90 ms per 552 MB request (device to

@@ -7,10 +7,9 @@
 #include <cstdint>
 #include <cstring>
 
-namespace neo {
+#include "abi.h"
 
-// dtype codes of the C ABI; neo_backend/cpu_attention.py mirrors them.
-enum DType : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
+namespace neo {
 
 // Storage tags: 16-bit KV elements are carried as raw bits and widened to fp32 in registers.
 struct F16 { uint16_t bits; };

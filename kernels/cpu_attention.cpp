@@ -49,9 +49,6 @@ namespace {
 
 using namespace neo;
 
-enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
-enum Status : int { kOk = 0, kUnsupported = 1, kNoMemory = 2, kBadArgument = 3 };
-
 int detect_isa() {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -201,10 +198,9 @@ int run_attention(const AttnParams& P, int num_threads, bool split_long) {
 
 #define NEO_API extern "C" __attribute__((visibility("default")))
 
-// Bumped whenever a signature below changes; the Python binding refuses a mismatched library.
-NEO_API int neo_abi_version(void) { return 2; }
+NEO_API int neo_abi_version(void) { return kAbiVersion; }
 
-// 0 scalar, 1 AVX2+FMA+F16C, 2 AVX-512: the path in use, and the best one this CPU supports.
+// The Isa in use, and the best one this CPU supports.
 NEO_API int neo_isa(void) { return g_isa.load(); }
 NEO_API int neo_max_isa(void) { return g_max_isa; }
 
@@ -259,8 +255,6 @@ NEO_API double neo_stream_read(const float* p, size_t n, int num_threads) {
   return total;
 }
 
-enum WaitStatus : int { kSet = 0, kFailed = 1, kTimedOut = 2 };
-
 // Waits until *flag >= target (returns kSet), *flag < 0 (kFailed: the other side gave up) or timeout_s passes
 // (kTimedOut). The hand-off between the engine's launching thread and its CPU-attention thread: for spin_s it
 // spins, so it sees the store within a cache-line transfer, where a futex wake-up costs tens of microseconds
@@ -287,17 +281,10 @@ NEO_API int neo_wait_flag(const int64_t* flag, int64_t target, double spin_s, do
   }
 }
 
-enum IterationStatus : int { kHandOffTimedOut = 12, kAbandoned = 20 };
-
-// One step of a pipelined iteration: a layer's CPU decodes of one sub-batch. Pointers travel as int64.
-enum StepField : int {
-  kReady, kDone, kQ, kKNew, kVNew, kOut, kKCache, kVCache, kSlots, kTables, kLens, kBatch, kMaxBlocks, kStepFields
-};
-
 // The CPU side of a whole pipelined iteration in one call, so no Python (and no GIL) sits between layers:
 // for each step in order, wait until *ready >= 1 (the device has copied its q/k/v down), append k/v, attend,
 // record its seconds and publish *done = 1. On an error or a ready flag < 0 (the launching side gave up)
-// every remaining done flag is set to -1 and the status returned (a kernel status, or kHandOffTimedOut /
+// every remaining done flag is set to kFlagFailed and the status returned (a kernel status, or kHandOffTimedOut /
 // kAbandoned for a wait that timed out / a step the launching side never gave).
 NEO_API int neo_decode_iteration(const int64_t* steps, int num_steps, int q_dtype, int kv_dtype, int Hq, int Hkv,
                                  int D, int block_size, float scale, int num_threads, double spin_s,
@@ -325,6 +312,6 @@ NEO_API int neo_decode_iteration(const int64_t* steps, int num_steps, int q_dtyp
     __atomic_store_n(static_cast<int64_t*>(ptr(kDone)), int64_t(1), __ATOMIC_RELEASE);
   }
   for (; s < num_steps; ++s)
-    __atomic_store_n(reinterpret_cast<int64_t*>(steps[size_t(s) * kStepFields + kDone]), int64_t(-1), __ATOMIC_RELEASE);
+    __atomic_store_n(reinterpret_cast<int64_t*>(steps[size_t(s) * kStepFields + kDone]), kFlagFailed, __ATOMIC_RELEASE);
   return status;
 }

@@ -5,6 +5,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import sys
 import typing
 
@@ -81,11 +82,11 @@ def cmd_prepare_model(args: argparse.Namespace) -> int:
 
 
 def cmd_build_kernel(args: argparse.Namespace) -> int:
-    from . import cpu_attention
+    from .cpu import build, library
 
-    path = cpu_attention.build(force=args.force)
-    print(f"CPU attention library: {path} (SIMD path: {cpu_attention.best_isa()}, "
-          f"threads: {cpu_attention.get_num_threads()})")
+    path = build.build(force=args.force)
+    print(f"CPU attention library: {path} (SIMD path: {library.best_isa(library.load(path))}, "
+          f"threads: {len(os.sched_getaffinity(0))})")
     return 0
 
 

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from . import cpu_attention
+from .cpu.handoff import HAND_OFF_SPIN_S, Flags
 from .layers.attention import AttentionMetadata
 
 log = logging.getLogger("neo_backend")
@@ -147,7 +147,7 @@ class LaneGraphs:
         self.host_k = torch.zeros(n, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, pin_memory=True)
         self.host_v = torch.zeros(self.host_k.shape, dtype=dtype, pin_memory=True)
         self.host_out = torch.zeros(self.host_q.shape, dtype=dtype, pin_memory=True)
-        self.ready = cpu_attention.Flags(len(model.layers), cpu_attention.HAND_OFF_SPIN_S, pin=True)
+        self.ready = Flags(len(model.layers), HAND_OFF_SPIN_S, pin=True)
         self._one = torch.ones(1, dtype=torch.int64, device=device)
         self.graphs: dict[tuple[int, bool, int], torch.cuda.CUDAGraph] = {}
         pool = None

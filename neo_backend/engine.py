@@ -7,7 +7,6 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
-from . import cpu_attention
 from .block_manager import BlockManager
 from .config import OFFLOAD_POLICIES, EngineConfig
 from .errors import ConfigError, InvalidRequestError, KernelError
@@ -58,12 +57,12 @@ class LLMEngine:
         if self.runner.host_cache is not None:
             with self.runner.device_scope():
                 self.perf_model = load_or_profile(self.runner, self.runner.host_cache,
-                                                  cpu_attention.get_num_threads())
+                                                  self.runner.host_attention.num_threads)
         self.scheduler = Scheduler(self.config, self.gpu_blocks, self.cpu_blocks, self.runner.swapper,
                                    self.perf_model)
         log.info("offload policy %s, pipeline %s, host KV %d blocks, CPU attention threads %d",
                  self.scheduler.policy, self.config.pipeline, self.cpu_blocks.num_blocks,
-                 cpu_attention.get_num_threads())
+                 self.runner.host_attention.num_threads if self.runner.host_attention else 0)
         self.counters = EngineCounters()
         self._seqs: dict[str, Sequence] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}

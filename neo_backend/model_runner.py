@@ -9,17 +9,19 @@ from typing import ContextManager
 
 import torch
 
-from . import cpu_attention
 from .config import EngineConfig, ModelConfig
+from .cpu.abi import SUPPORTED_HEAD_DIMS
+from .cpu.host_attention import HostAttention, HostDecodeBatch
 from .cuda_graphs import DecodeGraphs, DecodeInputs, LaneGraphs
 from .gpu_partition import sm_partition
-from .host_kv import BlockSwapper, HostAttention, HostDecodeBatch, HostKVCache, host_available_bytes
+from .host_pool import HostKVCache, host_available_bytes
 from .layers.attention import AttentionMetadata, PrefillChunk
 from .layers.sampler import SampleResult, Sampler
 from .loader import ModelSource, load_model
 from .pipeline import PipelinedExecutor, SubBatch
 from .scheduler import SchedulerOutput
 from .sequence import Sequence
+from .swapper import BlockSwapper
 
 log = logging.getLogger("neo_backend")
 
@@ -82,9 +84,9 @@ class ModelRunner:
         self.pipeline: PipelinedExecutor | None = None
         if config.offload_policy == "never":
             return
-        if model_cfg.head_dim not in cpu_attention.SUPPORTED_HEAD_DIMS:
+        if model_cfg.head_dim not in SUPPORTED_HEAD_DIMS:
             log.warning("head_dim %d has no CPU attention kernel (supported: %s); offloading is off",
-                        model_cfg.head_dim, cpu_attention.SUPPORTED_HEAD_DIMS)
+                        model_cfg.head_dim, SUPPORTED_HEAD_DIMS)
             return
         if config.offload_policy == "auto" and self.device.type == "cpu" and config.num_gpu_blocks is None:
             log.info("offload_policy auto on a CPU device with no num_gpu_blocks limit: nothing to offload")

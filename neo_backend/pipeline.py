@@ -20,17 +20,17 @@ from dataclasses import dataclass
 
 import torch
 
-from . import cpu_attention
+from .cpu.handoff import HAND_OFF_SPIN_S, Flags, IterationLane
+from .cpu.host_attention import HostAttention, HostDecodeBatch
 from .cuda_graphs import LaneGraphs
 from .errors import KernelError
-from .host_kv import HostAttention, HostDecodeBatch
 from .layers.attention import AttentionMetadata
 
 
 def spin_seconds(device: torch.device) -> float:
     """On CUDA the launching thread and the CPU-attention thread each have a core of their own and spin; on a
     CPU device they share the cores with the "device" work and poll."""
-    return cpu_attention.HAND_OFF_SPIN_S if device.type == "cuda" else 0.0
+    return HAND_OFF_SPIN_S if device.type == "cuda" else 0.0
 
 
 @dataclass
@@ -60,7 +60,7 @@ class EagerLane:
                                           for _ in range(2))
             self.host_k, self.host_v = (torch.empty(rows, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, pin_memory=pin)
                                         for _ in range(2))
-            self.ready = cpu_attention.Flags(len(model.layers), spin_seconds(self.device), pin=pin)
+            self.ready = Flags(len(model.layers), spin_seconds(self.device), pin=pin)
             self._one = torch.ones(1, dtype=torch.int64, device=self.device)
 
     def segment(self, layer_idx: int) -> None:
@@ -81,10 +81,10 @@ class EagerLane:
                 dst.copy_(src[n:], non_blocking=True)
             self.ready.set_in_order(layer_idx, self._one)
 
-    def host_lane(self) -> cpu_attention.IterationLane:
+    def host_lane(self) -> IterationLane:
         b = self.sub.host_batch
-        return cpu_attention.IterationLane(self.host_q, self.host_k, self.host_v, self.host_out, b.block_tables,
-                                           b.context_lens, b.slots, self.ready)
+        return IterationLane(self.host_q, self.host_k, self.host_v, self.host_out, b.block_tables, b.context_lens,
+                             b.slots, self.ready)
 
     def final(self) -> torch.Tensor:
         return self.hidden
@@ -104,11 +104,11 @@ class GraphLane:
     def segment(self, layer_idx: int) -> None:
         self.graphs.replay(self.bs, self.with_host, layer_idx)
 
-    def host_lane(self) -> cpu_attention.IterationLane:
+    def host_lane(self) -> IterationLane:
         rows = slice(self.num_device, self.rows)
         g, b = self.graphs, self.sub.host_batch
-        return cpu_attention.IterationLane(g.host_q[rows], g.host_k[rows], g.host_v[rows], g.host_out[rows],
-                                           b.block_tables, b.context_lens, b.slots, g.ready)
+        return IterationLane(g.host_q[rows], g.host_k[rows], g.host_v[rows], g.host_out[rows], b.block_tables,
+                             b.context_lens, b.slots, g.ready)
 
     def final(self) -> torch.Tensor:
         return self.graphs.final[:self.rows]
@@ -133,7 +133,7 @@ class PipelinedExecutor:
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="neo-cpu-attention",
                                          initializer=host_attention.enter_thread)
         self.worker.submit(int).result()  # the worker starts now, not in the first iteration
-        self.done = cpu_attention.Flags(0, spin_seconds(host_attention.device))
+        self.done = Flags(0, spin_seconds(host_attention.device))
 
     def run(self, model, subs: list[SubBatch]) -> list[torch.Tensor]:
         """Final hidden states of each sub-batch (one: sequential mode; two: pipelined)."""
@@ -164,7 +164,7 @@ class PipelinedExecutor:
             job.result()
         return [lane.final() for lane in lanes]
 
-    def _attend_on_host(self, host_lanes: list[cpu_attention.IterationLane]) -> None:
+    def _attend_on_host(self, host_lanes: list[IterationLane]) -> None:
         try:
             self.host_attention.run_iteration(host_lanes, self.done, self.HANDOFF_TIMEOUT_S)
         except BaseException:

@@ -8,8 +8,8 @@ from dataclasses import asdict
 
 import torch
 
-from . import cpu_attention
-from .host_kv import HostDecodeBatch
+from .cpu import library
+from .cpu.host_attention import HostDecodeBatch
 from .layers.attention import AttentionMetadata
 from .layers.paged_decode import decode_attention
 from .perf_model import PerfModel, fit_plane, load_cached, median_time, save
@@ -25,7 +25,7 @@ def load_or_profile(runner, host_cache, threads: int) -> PerfModel:
     device_name = torch.cuda.get_device_name(runner.device) if runner.device.type == "cuda" else "cpu"
     key_fields = {"model": asdict(cfg), "dtype": str(runner.dtype), "device": device_name, "threads": threads,
                   "block_size": runner.block_size, "max_tokens": runner.config.max_num_batched_tokens,
-                  "isa": cpu_attention.active_isa(),
+                  "isa": library.active_isa(runner.host_attention.kernels.lib),
                   "cuda_graphs": runner.decode_graphs is not None, "gpu_sm_count": runner.config.gpu_sm_count,
                   "version": 4}
     key = hashlib.sha256(json.dumps(key_fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -60,7 +60,7 @@ def _profile(runner, host_cache) -> PerfModel:
 
     log.info("profiling device decode attention")
     gpu_per_token = _gpu_attention_per_token(runner, sync) * cfg.num_layers
-    log.info("profiling host decode attention (%d threads)", cpu_attention.get_num_threads())
+    log.info("profiling host decode attention (%d threads)", runner.host_attention.num_threads)
     cpu_fixed, cpu_per_req, cpu_per_tok = _cpu_attention_fit(runner, host_cache)
     return PerfModel(token_counts, dense_times, gpu_per_token, cpu_fixed, cpu_per_req, cpu_per_tok)
 

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
 from .config import EngineConfig
-from .host_kv import BlockSwapper
 from .perf_model import PerfModel
 from .sequence import Placement, Sequence, SequenceStatus
+from .swapper import BlockSwapper
 
 MAX_SKIPPED_ITERATIONS = 4   # auto: a CPU-request left out this many iterations in a row runs regardless
 GPU_WATERMARK = 0.05         # auto: keep this fraction of device blocks free before offloading new requests

@@ -12,7 +12,7 @@ import time
 from typing import Any, Callable, Iterator, Mapping
 
 from .config import EngineConfig
-from .cpus import attention_cpus, pin_current_thread
+from .cpu.affinity import attention_cpus, pin_current_thread
 from .engine import LLMEngine
 from .errors import EngineDeadError, InvalidRequestError, QueueFullError
 from .outputs import RequestOutput

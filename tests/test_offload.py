@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from neo_backend import EngineConfig, LLMEngine, cpu_attention
-from neo_backend.host_kv import HUGE_PAGE_BYTES, huge_page_tensor
+from neo_backend import EngineConfig, LLMEngine
+from neo_backend.cpu.ops import Kernels
+from neo_backend.host_pool import HUGE_PAGE_BYTES, huge_page_tensor
 from neo_backend.streaming import StreamingEngine
 
 from test_generation import _collect, _host_attention_predicted_free, _mixed_requests, _outputs
@@ -85,14 +86,14 @@ def test_auto_backs_off_when_cpu_attention_is_slowed(tiny_model_dirs, workload, 
     prompts, max_tokens = workload
     engine = _engine(tiny_model_dirs["llama3"], 24, offload_policy="auto")
     _host_attention_predicted_free(engine, monkeypatch, remeasured=True)
-    real_iteration = cpu_attention.decode_iteration
+    real_iteration = Kernels.decode_iteration
 
     def slow_iteration(*args, **kwargs):
         _time.sleep(0.02)
         seconds = real_iteration(*args, **kwargs)
         return seconds + 0.02 / len(seconds)
 
-    monkeypatch.setattr(cpu_attention, "decode_iteration", slow_iteration)
+    monkeypatch.setattr(Kernels, "decode_iteration", slow_iteration)
     sched = engine.scheduler
     tokens = {}
     order = []

@@ -6,10 +6,11 @@ import torch
 
 from neo_backend import EngineConfig, ModelConfig, SamplingParams
 from neo_backend.block_manager import BlockManager
-from neo_backend.host_kv import BlockSwapper, HostKVCache
+from neo_backend.host_pool import HostKVCache
 from neo_backend.perf_model import PerfModel
 from neo_backend.scheduler import CPU_BEHIND, HOST_SLOW, Scheduler, SchedulerOutput
 from neo_backend.sequence import Placement, Sequence
+from neo_backend.swapper import BlockSwapper
 
 BLOCK = 4
 TINY = ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=16, num_layers=1, num_heads=1, num_kv_heads=1,

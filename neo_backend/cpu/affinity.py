@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import os
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 log = logging.getLogger("neo_backend")
 

@@ -14,9 +14,9 @@ import shutil
 import subprocess
 import tempfile
 
-from .errors import KernelError
+from ..errors import KernelError
 
-KERNEL_DIR = pathlib.Path(__file__).resolve().parent.parent / "kernels"
+KERNEL_DIR = pathlib.Path(__file__).resolve().parents[2] / "kernels"
 MAIN_SOURCE = "cpu_attention.cpp"
 LIB_NAME = "libneo_cpu_attention.so"
 # No -march=native: the AVX2/AVX-512 code sits in per-ISA target regions, chosen at run time.
