@@ -164,10 +164,10 @@ NONE_WORDS = ("", "none", "null")
 
 
 def parse_knob(key: str, raw: Any, hint: Any, source: str, error: type[NeoError] = ConfigError) -> Any:
-    """`raw` (a string, or anything `str()` spells) as a value of type `hint`, or `error` naming `source` and `key`.
+    """`raw` (a string, or what `str()` makes of it) as a value of type `hint`; else `error` naming `source` and `key`.
 
     Surrounding spaces are ignored and words are read in any case: a bool is one of TRUE_WORDS or FALSE_WORDS,
-    an optional type also takes one of NONE_WORDS for None, other types are their constructor of the text.
+    an optional type also takes one of NONE_WORDS for None, and any other type is built from the text (`int(text)`).
     """
     optional = type(None) in typing.get_args(hint)
     base = _base_type(hint)
