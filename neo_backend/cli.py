@@ -17,36 +17,36 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    """Values are read by `SamplingParams.parse_strings`, with the same rules as every other knob."""
     group = parser.add_argument_group("sampling (vLLM names)")
     hints = typing.get_type_hints(SamplingParams)
     for f in dataclasses.fields(SamplingParams):
         flag = "--" + f.name.replace("_", "-")
-        hint = hints[f.name]
-        if hint is bool:
-            group.add_argument(flag, action="store_true", default=None)
+        if hints[f.name] is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
         elif f.name == "stop":
             group.add_argument(flag, action="append", help="stop string (repeatable)")
         elif f.name == "stop_token_ids":
             group.add_argument(flag, type=int, action="append", help="stop token id (repeatable)")
         else:
-            base = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
-            group.add_argument(flag, type=base[0], default=None)
+            group.add_argument(flag, default=None)
 
 
 def _sampling_from_args(args: argparse.Namespace) -> SamplingParams:
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(SamplingParams)
               if getattr(args, f.name, None) is not None}
-    return SamplingParams.from_dict(values)
+    return SamplingParams.from_dict(SamplingParams.parse_strings(values, source="flag"))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from .engine import LLMEngine
 
+    params = _sampling_from_args(args)  # a bad flag fails before the model loads
     engine = LLMEngine(EngineConfig.from_cli_args(args))
     prompt = args.prompt
     if args.chat:
         prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-    request_id = engine.add_request(prompt, _sampling_from_args(args))
+    request_id = engine.add_request(prompt, params)
     final = None
     while engine.has_unfinished_requests():
         for out in engine.step():

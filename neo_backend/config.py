@@ -2,7 +2,8 @@
 
 CLI flags (`add_cli_args`), Triton `config.pbtxt` parameters and `NEO_*` environment variables all map
 onto `EngineConfig` through `EngineConfig.from_strings`, so a knob is declared, typed, defaulted and
-validated exactly once, here.
+validated exactly once, here. `parse_knob` is the one reading of a string as a typed value, also used for
+sampling parameters sent as strings.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from .errors import ConfigError
+from .errors import ConfigError, NeoError
 
 OFFLOAD_POLICIES = ("auto", "never", "always")
 PIPELINE_MODES = ("auto", "on", "off")
@@ -116,7 +117,7 @@ class EngineConfig:
         for key, raw in values.items():
             if key not in known:
                 raise ConfigError(f"unknown {source} {key!r}; known: {', '.join(sorted(known))}")
-            kwargs[key] = _parse(key, raw, hints[key], source)
+            kwargs[key] = parse_knob(key, raw, hints[key], source)
         return cls(**kwargs)
 
     @classmethod
@@ -145,28 +146,44 @@ class EngineConfig:
         values = {name: getattr(args, name) for name in cls.field_names() if getattr(args, name, None) is not None}
         return cls.from_strings({k: str(v) for k, v in values.items()}, source="flag")
 
+    def changed_knobs(self, base: EngineConfig | None = None) -> dict[str, Any]:
+        """The knobs whose values differ from `base` (default: the defaults), in declaration order."""
+        base = base or EngineConfig()
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if getattr(self, f.name) != getattr(base, f.name)}
+
 
 def _base_type(hint: Any) -> type:
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     return args[0] if args else hint
 
 
-def _parse(key: str, raw: Any, hint: Any, source: str) -> Any:
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off")
+NONE_WORDS = ("", "none", "null")
+
+
+def parse_knob(key: str, raw: Any, hint: Any, source: str, error: type[NeoError] = ConfigError) -> Any:
+    """`raw` (a string, or what `str()` makes of it) as a value of type `hint`; else `error` naming `source` and `key`.
+
+    Surrounding spaces are ignored and words are read in any case: a bool is one of TRUE_WORDS or FALSE_WORDS,
+    an optional type also takes one of NONE_WORDS for None, and any other type is built from the text (`int(text)`).
+    """
     optional = type(None) in typing.get_args(hint)
     base = _base_type(hint)
     text = str(raw).strip()
-    if optional and text.lower() in ("", "none", "null"):
+    if optional and text.lower() in NONE_WORDS:
         return None
     try:
         if base is bool:
-            if text.lower() in ("1", "true", "yes", "on"):
+            if text.lower() in TRUE_WORDS:
                 return True
-            if text.lower() in ("0", "false", "no", "off"):
+            if text.lower() in FALSE_WORDS:
                 return False
             raise ValueError
         return base(text)
     except ValueError:
-        raise ConfigError(f"{source} {key}={raw!r} is not a valid {base.__name__}") from None
+        raise error(f"{source} {key}={raw!r} is not a valid {base.__name__}") from None
 
 
 @dataclass

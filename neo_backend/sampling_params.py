@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from .config import parse_knob
 from .errors import InvalidRequestError
 
 _INT_FIELDS = {"max_tokens", "min_tokens", "top_k", "seed", "logprobs"}
@@ -93,3 +95,14 @@ class SamplingParams:
             raise InvalidRequestError(f"unknown sampling parameter(s): {', '.join(unknown)}; "
                                       f"known: {', '.join(sorted(known))}")
         return cls(**values)
+
+    @classmethod
+    def parse_strings(cls, values: Mapping[str, Any], source: str = "sampling parameter") -> dict[str, Any]:
+        """`values` with numbers and booleans sent as strings parsed by the knob rules (`parse_knob`), as
+        vLLM-backend clients send them ({"temperature": "0.1"}); everything else is left to validation."""
+        return {key: parse_knob(key, value, _SCALAR_HINTS[key], source, InvalidRequestError)
+                if isinstance(value, str) and key in _SCALAR_HINTS else value for key, value in values.items()}
+
+
+_SCALAR_HINTS = {name: hint for name, hint in typing.get_type_hints(SamplingParams).items()
+                 if typing.get_origin(hint) is not list}

@@ -159,9 +159,8 @@ def knob_overrides(repository: Path = DEFAULT_MODEL_REPOSITORY, environ: Mapping
     fails before the server starts."""
     base = EngineConfig.from_strings(read_parameters(repository / MODEL_NAME / "config.pbtxt"),
                                      source="config.pbtxt parameter")
-    config = EngineConfig.from_env(environ, base=base)
-    return {f.name: _knob_string(getattr(config, f.name)) for f in dataclasses.fields(config)
-            if getattr(config, f.name) != getattr(base, f.name)}
+    changed = EngineConfig.from_env(environ, base=base).changed_knobs(base)
+    return {name: _knob_string(value) for name, value in changed.items()}
 
 
 def render_model_repository(target: Path, overrides: Mapping[str, object] | None = None,

@@ -17,6 +17,7 @@ from .engine import LLMEngine
 from .errors import EngineDeadError, InvalidRequestError, QueueFullError
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
+from .tokenizer import Tokenizer
 
 log = logging.getLogger("neo_backend")
 
@@ -80,6 +81,14 @@ class StreamingEngine:
     @property
     def num_in_flight(self) -> int:
         return len(self._streams)
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
 
     def stats(self) -> dict[str, Any]:
         """The engine's counters and gauges as of the loop's last step (safe from any thread)."""
