@@ -3,9 +3,9 @@
 
 Builds `kernels/` as of each git revision, or from a folder holding a copy of it (REV_B defaults to the working
 tree), with the project's flags, loads both libraries into this process and calls them in alternation (A B,
-B A, A B, ...) on `make bench-kernel`'s shape, KV from DRAM. On a shared machine the bandwidth drifts by tens of percent between runs; consecutive
-calls see nearly the same machine, so the median of the per-pair speed ratios resolves a few percent where
-two separate runs of bench/kernel.py cannot. Both revisions must have this binding's ABI.
+B A, A B, ...) on `make bench-kernel`'s shape, KV from DRAM. On a shared machine the bandwidth drifts by tens
+of percent between runs; consecutive calls see nearly the same machine, so the median of the per-pair speed
+ratios resolves a few percent where two separate runs of bench/kernel.py cannot. Both revisions must have this binding's ABI.
 Dependencies: torch, git, tar and the standard library.
 """
 from __future__ import annotations
@@ -22,9 +22,10 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from kernel import BENCH_SHAPE, Case, bench_case, median_seconds  # noqa: E402
+from kernel import BENCH_SHAPE, Case, bench_case  # noqa: E402
 from neo_backend import cpu_attention as ca  # noqa: E402
 from neo_backend import kernel_build  # noqa: E402
+from timing import median_seconds  # noqa: E402
 
 WORKING_TREE = "worktree"
 
