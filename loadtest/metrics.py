@@ -11,11 +11,12 @@ _SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 Sample = tuple[str, dict[str, str], float]  # (name, labels, value)
+SCRAPE_TIMEOUT_S = 10.0
 
 
-def scrape_metrics(metrics_url: str, timeout: float = 10.0) -> list[Sample]:
+def scrape_metrics(metrics_url: str) -> list[Sample]:
     """Samples of a Prometheus text page."""
-    with urllib.request.urlopen(metrics_url, timeout=timeout) as response:
+    with urllib.request.urlopen(metrics_url, timeout=SCRAPE_TIMEOUT_S) as response:
         text = response.read().decode()
     samples = []
     for line in text.splitlines():

@@ -42,7 +42,7 @@ from .workloads import WORDS
 
 MODEL = "neo"
 KINDS = ("stream", "cancel", "drop", "bad")
-DEFAULT_WEIGHTS = {"stream": 4, "cancel": 3, "drop": 2, "bad": 2}
+WEIGHTS = {"stream": 4, "cancel": 3, "drop": 2, "bad": 2}
 # Knobs of the server this module starts itself: small pools, every decode on the CPU pool.
 DEFAULT_SERVER_KNOBS = {"num_gpu_blocks": 512, "max_num_seqs": 64, "max_model_len": 512, "cpu_kv_cache_gb": 0.1,
                         "offload_policy": "always"}
@@ -187,9 +187,10 @@ def failures_by_reason(metrics_url: str) -> Counter:
                     if n == "neo_request_failures_total"})
 
 
-def wait_idle(metrics_url: str, timeout: float = DRAIN_TIMEOUT_S) -> dict[str, float]:
+def wait_idle(metrics_url: str) -> dict[str, float]:
     """Poll until no request is in the engine and no KV block is used; the last gauges either way."""
-    samples, _ = poll_metrics(metrics_url, lambda s: not any(engine_gauges(s).values()), timeout, interval=0.25)
+    samples, _ = poll_metrics(metrics_url, lambda s: not any(engine_gauges(s).values()), DRAIN_TIMEOUT_S,
+                              interval=0.25)
     return engine_gauges(samples)
 
 
@@ -300,9 +301,9 @@ class _Soak:
         self.client = NeoClient(url, MODEL, timeout=request_timeout)
         self.lock = threading.Lock()
 
-    def count(self, counter: str, kind: str, n: int = 1) -> None:
+    def count(self, counter: str, kind: str) -> None:
         with self.lock:
-            getattr(self.report, counter)[kind] += n
+            getattr(self.report, counter)[kind] += 1
 
     def unexpected(self, kind: str, message: str) -> None:
         with self.lock:
@@ -368,15 +369,13 @@ class _Soak:
             got = outcome.error or ("timed out" if outcome.timed_out else f"{outcome.responses} responses, no error")
             self.unexpected("bad", f"{name}: expected an error containing {expected!r}, got {got}")
 
-    def worker(self, seed: int, deadline: float, max_requests: int | None) -> None:
+    def worker(self, seed: int, deadline: float) -> None:
         rng = random.Random(seed)
-        n = 0
-        while time.monotonic() < deadline and (max_requests is None or n < max_requests):
+        while time.monotonic() < deadline:
             self.one(rng.choice(self.kinds), rng)
-            n += 1
 
-    def run_workers(self, concurrency: int, seed: int, deadline: float, max_requests: int | None = None) -> None:
-        threads = [threading.Thread(target=self.worker, args=(seed * 1000 + i, deadline, max_requests), daemon=True,
+    def run_workers(self, concurrency: int, seed: int, deadline: float) -> None:
+        threads = [threading.Thread(target=self.worker, args=(seed * 1000 + i, deadline), daemon=True,
                                     name=f"soak-{i}") for i in range(concurrency)]
         for t in threads:
             t.start()
@@ -390,21 +389,20 @@ class _Soak:
 
 
 def run_soak(url: str, metrics_url: str, duration_s: float, *, concurrency: int = 8, seed: int = 0,
-             request_timeout: float = 60.0, pids: list[int] | None = None, weights: Mapping[str, int] | None = None,
-             rss_tolerance_mb: float = RSS_TOLERANCE_MB, pinned_tolerance_mb: float = PINNED_TOLERANCE_MB,
-             log: Callable[[str], None] = print) -> SoakReport:
+             request_timeout: float = 60.0, pids: list[int] | None = None,
+             rss_tolerance_mb: float = RSS_TOLERANCE_MB, log: Callable[[str], None] = print) -> SoakReport:
     """Run the mixed load against a ready server for `duration_s` seconds and return the report.
 
     A warm-up (one request of each kind per worker) comes first, so the memory baseline is taken idle with every
     code path touched. `pids` (the server and its stubs) default to the tritonserver on the gRPC port of `url`.
     """
-    report = SoakReport(rss_tolerance_mb=rss_tolerance_mb, pinned_tolerance_mb=pinned_tolerance_mb)
+    report = SoakReport(rss_tolerance_mb=rss_tolerance_mb)
     if pids is None:
         pids = server_pids(int(url.rsplit(":", 1)[1]))
     report.memory_start = memory_sample(pids) if pids else None
     report.gauges_before = wait_idle(metrics_url)
     failures_before = failures_by_reason(metrics_url)
-    soak = _Soak(url, report, request_timeout, weights or DEFAULT_WEIGHTS)
+    soak = _Soak(url, report, request_timeout, WEIGHTS)
     warm = _Soak(url, SoakReport(), request_timeout, {k: 1 for k in KINDS})
     started = time.monotonic()
     try:
