@@ -2,47 +2,30 @@
 from __future__ import annotations
 
 import random
-import statistics
-import time
 from pathlib import Path
 
 import torch
 
 from neo_backend import SamplingParams
 from neo_backend.sequence import Placement, Sequence
+from timing import median_seconds
 
 LLAMA3_8B = str(Path(__file__).parent / "configs" / "llama3-8b")
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed(fn, device: torch.device, reps: int = 5) -> float:
-    """Median seconds of `fn()` after one warm-up."""
-    fn()
-    sync(device)
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def device_copy_bandwidth(device: torch.device) -> float:
     """Bytes/s of a large device-to-device copy, counting bytes read plus written."""
     src = torch.randn(1 << 29, device=device, dtype=torch.bfloat16)   # 1 GiB
     dst = torch.empty_like(src)
-    return 2 * src.numel() * src.element_size() / timed(lambda: dst.copy_(src), device, reps=10)
+    return 2 * src.numel() * src.element_size() / median_seconds(lambda: dst.copy_(src), 10, device=device, warmup=1)
 
 
-def matmul_flops(device: torch.device, n: int = 8192) -> float:
+def matmul_flops(device: torch.device) -> float:
+    """FLOP/s of a bf16 matmul of two 8192 x 8192 matrices."""
+    n = 8192
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    return 2 * n ** 3 / timed(lambda: a @ b, device, reps=10)
+    return 2 * n ** 3 / median_seconds(lambda: a @ b, 10, device=device, warmup=1)
 
 
 def placed_sequence(name: str, length: int, blocks: list[int], placement: Placement, vocab: int) -> Sequence:

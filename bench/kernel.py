@@ -29,8 +29,6 @@ import pathlib
 import socket
 import statistics
 import sys
-import time
-from collections.abc import Callable
 
 import torch
 
@@ -43,6 +41,7 @@ from neo_backend.cpu import build, library  # noqa: E402
 from neo_backend.cpu.ops import Kernels  # noqa: E402
 from neo_backend.cpu.validation import check_tensor  # noqa: E402
 from neo_backend.host_pool import huge_page_tensor  # noqa: E402
+from timing import median_seconds  # noqa: E402
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 # Working sets are kept at >= 8x the LLC: a large LLC (300 MiB on the H200 host) otherwise keeps part of
@@ -113,15 +112,6 @@ BENCH_SHAPE = "B=32 ctx=1024 Hq=32 Hkv=8 D=128 fp16 block=16"
 def bench_case() -> Case:
     """The issue's fixed shape (BENCH_SHAPE)."""
     return Case(batch=32, context=1024, hq=32, hkv=8, head_dim=128, dtype=torch.float16, block_size=16)
-
-
-def median_seconds(call: Callable[[], object], reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def stream_read(kernels: Kernels, buf: torch.Tensor) -> float:

@@ -23,9 +23,10 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from kernel import BENCH_SHAPE, Case, bench_case, median_seconds  # noqa: E402
+from kernel import BENCH_SHAPE, Case, bench_case  # noqa: E402
 from neo_backend.cpu import build, library  # noqa: E402
 from neo_backend.cpu.ops import Kernels  # noqa: E402
+from timing import median_seconds  # noqa: E402
 
 WORKING_TREE = "worktree"
 

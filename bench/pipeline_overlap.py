@@ -23,12 +23,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from common import LLAMA3_8B, placed_sequence, take_blocks, timed  # noqa: E402
+from common import LLAMA3_8B, placed_sequence, take_blocks  # noqa: E402
 from neo_backend import EngineConfig, LLMEngine  # noqa: E402
 from neo_backend.cpu.handoff import Flags, IterationLane  # noqa: E402
 from neo_backend.cpu.host_attention import HostAttention, HostDecodeBatch  # noqa: E402
 from neo_backend.pipeline import PipelinedExecutor  # noqa: E402
 from neo_backend.sequence import Placement  # noqa: E402
+from timing import median_seconds  # noqa: E402
 
 
 def host_steps(lanes: list[IterationLane], num_layers: int):
@@ -98,8 +99,8 @@ def measure(engine: LLMEngine, gpu_decodes: int, cpu_decodes: int, context: int,
     instant = PipelinedExecutor(InstantHostAttention(runner.host_attention), lane_graphs)
     capture = CapturingHostAttention(runner.host_attention)
     with torch.inference_mode():
-        pipelined = timed(lambda: real.run(model, subs), device)
-        gpu_alone = timed(lambda: instant.run(model, subs), device)
+        pipelined = median_seconds(lambda: real.run(model, subs), device=device, warmup=1)
+        gpu_alone = median_seconds(lambda: instant.run(model, subs), device=device, warmup=1)
         PipelinedExecutor(capture, lane_graphs).run(model, subs)
         done = Flags(len(capture.lanes) * len(model.layers), 0.0)
 
@@ -107,7 +108,7 @@ def measure(engine: LLMEngine, gpu_decodes: int, cpu_decodes: int, context: int,
             done.reset(done.size)
             runner.host_attention.run_iteration(capture.lanes, done, 60.0)
 
-        cpu_alone = timed(cpu_part, device)
+        cpu_alone = median_seconds(cpu_part, device=device, warmup=1)
     for executor in (real, instant):
         executor.shutdown()
     return {"gpu_decodes": gpu_decodes, "cpu_decodes": cpu_decodes, "context": context, "split": split,

@@ -16,7 +16,7 @@ from .protocol import DEFAULT_MODEL, Delta, GenerationResult, default_url
 from .sync import NeoClient, Stream
 
 __all__ = [
-    "AsyncNeoClient", "AsyncStream", "ClientError", "DEFAULT_CHAT_TEMPLATE", "DEFAULT_MODEL", "Delta", "GenerationResult",
-    "ModelNotFoundError", "NeoClient", "RequestTimeoutError", "ServerError", "ServerUnreachableError", "Stream",
-    "default_url", "render_chat",
+    "AsyncNeoClient", "AsyncStream", "ClientError", "DEFAULT_CHAT_TEMPLATE", "DEFAULT_MODEL", "Delta",
+    "GenerationResult", "ModelNotFoundError", "NeoClient", "RequestTimeoutError", "ServerError",
+    "ServerUnreachableError", "Stream", "default_url", "render_chat",
 ]

@@ -14,20 +14,16 @@ import grpc
 import tritonclient.grpc.aio as aioclient
 from tritonclient.utils import InferenceServerException
 
-from .errors import RequestTimeoutError
+from .base import STREAM_DEADLINE_GRACE_S, ClientBase, StreamBase
 from .protocol import (DEFAULT_MODEL, DEFAULT_TIMEOUT_S, Delta, GenerationResult, ResponseAccumulator, build_inputs,
-                       default_url, model_not_ready, translate_error)
-
-_STREAM_DEADLINE_GRACE_S = 5.0
+                       model_not_ready)
 
 
-class AsyncNeoClient:
+class AsyncNeoClient(ClientBase):
     """A connection to one Triton server and model; `await close()` (or `async with`) when done."""
 
     def __init__(self, url: str | None = None, model: str = DEFAULT_MODEL, timeout: float = DEFAULT_TIMEOUT_S) -> None:
-        self.url = url or default_url()
-        self.model = model
-        self.timeout = timeout
+        super().__init__(url, model, timeout)
         self._client = aioclient.InferenceServerClient(self.url)
 
     async def check_ready(self) -> None:
@@ -38,7 +34,7 @@ class AsyncNeoClient:
                 return
             index = await self._client.get_model_repository_index(as_json=True, client_timeout=self.timeout)
         except InferenceServerException as exc:
-            raise translate_error(exc, self.url, self.model, self.timeout) from None
+            raise self.translate(exc) from None
         raise model_not_ready(self.url, self.model, index)
 
     async def model_config(self) -> dict[str, Any]:
@@ -46,7 +42,7 @@ class AsyncNeoClient:
         try:
             response = await self._client.get_model_config(self.model, as_json=True, client_timeout=self.timeout)
         except InferenceServerException as exc:
-            raise translate_error(exc, self.url, self.model, self.timeout) from None
+            raise self.translate(exc) from None
         return response["config"]
 
     def stream(self, prompt: str, sampling: Mapping[str, Any] | None = None, request_id: str | None = None,
@@ -72,7 +68,7 @@ class AsyncNeoClient:
         await self.close()
 
 
-class AsyncStream:
+class AsyncStream(StreamBase):
     """One request in flight: `async for` yields text deltas (`deltas()`: every response, logprobs included), then
     `result` holds the outcome.
 
@@ -82,13 +78,8 @@ class AsyncStream:
 
     def __init__(self, owner: AsyncNeoClient, prompt: str, sampling: Mapping[str, Any] | None, request_id: str,
                  timeout: float) -> None:
-        self._owner = owner
-        self._prompt = prompt
-        self._sampling = sampling
-        self.request_id = request_id
-        self.timeout = timeout
-        self.result: GenerationResult | None = None
-        self._iterator: AsyncIterator[str] | None = None
+        super().__init__(owner, prompt, sampling, request_id, timeout)
+        self._iterator: AsyncIterator[Delta] | None = None
 
     def __aiter__(self) -> AsyncIterator[str]:
         return self._texts()
@@ -125,7 +116,7 @@ class AsyncStream:
 
         acc = ResponseAccumulator(self.request_id)
         deadline = acc.start_time + self.timeout
-        responses = owner._client.stream_infer(one_request(), stream_timeout=self.timeout + _STREAM_DEADLINE_GRACE_S)
+        responses = owner._client.stream_infer(one_request(), stream_timeout=self.timeout + STREAM_DEADLINE_GRACE_S)
         finished = False
         try:
             while not acc.done:
@@ -133,25 +124,21 @@ class AsyncStream:
                 try:
                     result, error = await asyncio.wait_for(responses.__anext__(), remaining)
                 except asyncio.TimeoutError:
-                    raise RequestTimeoutError(
-                        f"request {self.request_id} to {owner.url} did not complete within {self.timeout:g} s and "
-                        "was cancelled; raise the timeout or lower max_tokens") from None
+                    raise self.timed_out() from None
                 except StopAsyncIteration:
-                    raise translate_error(InferenceServerException(
-                        "the server closed the stream before the request finished"),
-                        owner.url, owner.model, self.timeout) from None
+                    raise self.translate(InferenceServerException(
+                        "the server closed the stream before the request finished")) from None
                 if error is not None:
-                    raise translate_error(error, owner.url, owner.model, self.timeout)
+                    raise self.translate(error)
                 delta = acc.feed(result, time.perf_counter())
                 if delta.text or delta.logprobs:
                     yield delta
             self.result = acc.result(time.perf_counter())
             finished = True
         except InferenceServerException as exc:
-            raise translate_error(exc, owner.url, owner.model, self.timeout) from None
+            raise self.translate(exc) from None
         except grpc.RpcError as exc:  # the aio stream lets transport errors through unwrapped
-            error = InferenceServerException(msg=exc.details(), status=str(exc.code()))
-            raise translate_error(error, owner.url, owner.model, self.timeout) from None
+            raise self.translate(InferenceServerException(msg=exc.details(), status=str(exc.code()))) from None
         finally:
             if not finished:
                 responses.cancel()

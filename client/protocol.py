@@ -32,24 +32,29 @@ def default_url() -> str:
     return f"{host}:{os.environ.get('NEO_GRPC_PORT') or 8001}"
 
 
-def build_inputs(prompt: str, sampling: Mapping[str, Any] | None) -> list[InferInput]:
-    """The request tensors for one streaming generation."""
-    def tensor(name: str, datatype: str, value: Any) -> InferInput:
-        array = np.array([value], dtype=np.object_ if datatype == "BYTES" else bool)
-        inp = InferInput(name, [1], datatype)
-        inp.set_data_from_numpy(array)
-        return inp
-
-    inputs = [
-        tensor("text_input", "BYTES", prompt.encode("utf-8")),
-        tensor("stream", "BOOL", True),
-        tensor("exclude_input_in_output", "BOOL", True),
-        tensor("sampling_parameters", "BYTES", json.dumps(dict(sampling or {})).encode("utf-8")),
-    ]
-    inputs += [tensor(flag, "BOOL", True) for flag in _RETURN_FLAGS]
-    if (sampling or {}).get("logprobs") is not None:
-        inputs.append(tensor("return_logprobs", "BOOL", True))
+def raw_inputs(prompt: bytes, sampling: bytes | None, stream: bool = True) -> list[InferInput]:
+    """The tensors of a request whose prompt and sampling JSON are sent as given, valid UTF-8 and JSON or not."""
+    inputs = [_tensor("text_input", "BYTES", prompt), _tensor("stream", "BOOL", stream),
+              _tensor("exclude_input_in_output", "BOOL", True)]
+    if sampling is not None:
+        inputs.append(_tensor("sampling_parameters", "BYTES", sampling))
     return inputs
+
+
+def build_inputs(prompt: str, sampling: Mapping[str, Any] | None) -> list[InferInput]:
+    """The request tensors for one streaming generation, asking for the counts a `GenerationResult` reports."""
+    inputs = raw_inputs(prompt.encode("utf-8"), json.dumps(dict(sampling or {})).encode("utf-8"))
+    inputs += [_tensor(flag, "BOOL", True) for flag in _RETURN_FLAGS]
+    if (sampling or {}).get("logprobs") is not None:
+        inputs.append(_tensor("return_logprobs", "BOOL", True))
+    return inputs
+
+
+def _tensor(name: str, datatype: str, value: Any) -> InferInput:
+    array = np.array([value], dtype=np.object_ if datatype == "BYTES" else bool)
+    inp = InferInput(name, [1], datatype)
+    inp.set_data_from_numpy(array)
+    return inp
 
 
 @dataclass(frozen=True)
@@ -166,8 +171,8 @@ def model_not_ready(url: str, model: str, repository_index: Mapping[str, Any]) -
     if model in models:
         return ModelNotFoundError(f"model {model!r} on {url} is not ready (state {models[model] or 'unknown'}); "
                                   "wait for it to finish loading, or read the server log")
-    return ModelNotFoundError(f"{url} does not serve model {model!r} (it serves: {', '.join(sorted(models)) or 'none'}); "
-                              "check the model name")
+    served = ", ".join(sorted(models)) or "none"
+    return ModelNotFoundError(f"{url} does not serve model {model!r} (it serves: {served}); check the model name")
 
 
 def translate_error(exc: InferenceServerException, url: str, model: str, timeout: float) -> ClientError:

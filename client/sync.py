@@ -16,22 +16,16 @@ from typing import Any, Iterator, Mapping
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from .errors import RequestTimeoutError
+from .base import STREAM_DEADLINE_GRACE_S, ClientBase, StreamBase
 from .protocol import (DEFAULT_MODEL, DEFAULT_TIMEOUT_S, GenerationResult, ResponseAccumulator, build_inputs,
-                       default_url, model_not_ready, translate_error)
-
-# Extra seconds the gRPC stream deadline allows past the request timeout, so the client's own timeout (which
-# cancels the request on the server) fires first.
-_STREAM_DEADLINE_GRACE_S = 5.0
+                       model_not_ready)
 
 
-class NeoClient:
+class NeoClient(ClientBase):
     """A connection to one Triton server and model. Thread-safe; close it (or use `with`) when done."""
 
     def __init__(self, url: str | None = None, model: str = DEFAULT_MODEL, timeout: float = DEFAULT_TIMEOUT_S) -> None:
-        self.url = url or default_url()
-        self.model = model
-        self.timeout = timeout
+        super().__init__(url, model, timeout)
         self._idle: list[grpcclient.InferenceServerClient] = []
         self._lock = threading.Lock()
 
@@ -45,7 +39,7 @@ class NeoClient:
                     return
                 index = client.get_model_repository_index(as_json=True, client_timeout=self.timeout)
             except InferenceServerException as exc:
-                raise translate_error(exc, self.url, self.model, self.timeout) from None
+                raise self.translate(exc) from None
             raise model_not_ready(self.url, self.model, index)
         finally:
             self._release(client)
@@ -88,7 +82,7 @@ class NeoClient:
             self._idle.append(client)
 
 
-class Stream:
+class Stream(StreamBase):
     """One request in flight. Iterating yields text deltas; afterwards `result` holds the outcome.
 
     Leaving the iteration early (break, an exception, Ctrl-C, closing the generator) cancels the request on the
@@ -97,12 +91,7 @@ class Stream:
 
     def __init__(self, owner: NeoClient, prompt: str, sampling: Mapping[str, Any] | None, request_id: str,
                  timeout: float) -> None:
-        self._owner = owner
-        self._prompt = prompt
-        self._sampling = sampling
-        self.request_id = request_id
-        self.timeout = timeout
-        self.result: GenerationResult | None = None
+        super().__init__(owner, prompt, sampling, request_id, timeout)
         self._iterator: Iterator[str] | None = None
 
     def __iter__(self) -> Iterator[str]:
@@ -131,25 +120,23 @@ class Stream:
         finished = False
         try:
             client.start_stream(callback=lambda result, error: responses.put((result, error, time.perf_counter())),
-                                stream_timeout=self.timeout + _STREAM_DEADLINE_GRACE_S)
+                                stream_timeout=self.timeout + STREAM_DEADLINE_GRACE_S)
             client.async_stream_infer(owner.model, build_inputs(self._prompt, self._sampling),
                                       request_id=self.request_id, enable_empty_final_response=True)
             while not acc.done:
                 try:
                     result, error, arrival = responses.get(timeout=max(0.0, deadline - time.perf_counter()))
                 except queue.Empty:
-                    raise RequestTimeoutError(
-                        f"request {self.request_id} to {owner.url} did not complete within {self.timeout:g} s and "
-                        "was cancelled; raise the timeout or lower max_tokens") from None
+                    raise self.timed_out() from None
                 if error is not None:
-                    raise translate_error(error, owner.url, owner.model, self.timeout)
+                    raise self.translate(error)
                 delta = acc.feed(result, arrival).text
                 if delta:
                     yield delta
             self.result = acc.result(time.perf_counter())
             finished = True
         except InferenceServerException as exc:
-            raise translate_error(exc, owner.url, owner.model, self.timeout) from None
+            raise self.translate(exc) from None
         finally:
             # A finished request's stream closes gracefully; anything else (error, timeout, Ctrl-C, early close)
             # cancels what is still running on the server.

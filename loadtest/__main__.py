@@ -51,8 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--input-tokens", type=int, default=128, help="prompt tokens of the fixed workload")
     p.add_argument("--output-tokens", type=int, default=64, help="output tokens of the fixed workload")
     p.add_argument("--api", choices=LOCUSTFILES, default="triton", help="Triton gRPC, or the OpenAI gateway")
-    p.add_argument("--url", default=None, help=f"gRPC host:port (default from NEO_HOST/NEO_GRPC_PORT: {default_url()}); "
-                                               "with --api openai the gateway's base URL")
+    p.add_argument("--url", default=None, help=f"gRPC host:port (default from NEO_HOST/NEO_GRPC_PORT: "
+                                               f"{default_url()}); with --api openai the gateway's base URL")
     p.add_argument("--model", default="neo")
     p.add_argument("--request-timeout", type=float, default=120.0, help="seconds allowed per request")
     p.add_argument("--seed", type=int, default=0)

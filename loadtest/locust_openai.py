@@ -13,13 +13,13 @@ import uuid
 
 import openai
 
-from client import GenerationResult
+from client import ClientError, GenerationResult
 from loadtest.users import StreamingUser
 from loadtest.workloads import RequestSpec
 from openai_frontend import GatewayConfig
 
 
-class IncompleteStreamError(Exception):
+class IncompleteStreamError(ClientError):
     """The stream ended without its usage chunk."""
 
 

@@ -30,8 +30,4 @@ class NeoUser(StreamingUser):
         self.client.close()
 
     def send(self, spec: RequestSpec) -> GenerationResult:
-        with self.client.stream(spec.prompt, spec.sampling()) as stream:
-            for _ in stream:
-                pass
-        assert stream.result is not None
-        return stream.result
+        return self.client.generate(spec.prompt, spec.sampling())

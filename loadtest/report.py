@@ -11,6 +11,7 @@ from .records import RequestRecord
 
 METRICS = ("TTFT", "TPOT", "E2E")
 PERCENTILES = (50, 90, 99)
+PERCENTILE_WINDOW_S = 5.0  # the chart's percentiles are over requests that ended this recently
 
 
 @dataclass
@@ -63,8 +64,8 @@ def write_summary(summary: Summary, results_dir: Path) -> None:
     (results_dir / "summary.json").write_text(json.dumps(summary.__dict__, indent=2) + "\n", encoding="utf-8")
 
 
-def plot_percentiles_over_time(records: list[RequestRecord], path: Path, window_s: float = 5.0) -> None:
-    """P50/P90/P99 of each metric over requests that finished in the trailing `window_s` seconds."""
+def plot_percentiles_over_time(records: list[RequestRecord], path: Path) -> None:
+    """P50/P90/P99 of each metric over requests that finished in the trailing `PERCENTILE_WINDOW_S` seconds."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -80,13 +81,13 @@ def plot_percentiles_over_time(records: list[RequestRecord], path: Path, window_
             values = np.array([p[1] for p in points])
             grid = np.arange(1.0, ends.max() + 1.0, 1.0)
             for p in PERCENTILES:
-                curve = [np.percentile(values[(ends > t - window_s) & (ends <= t)], p)
-                         if np.any((ends > t - window_s) & (ends <= t)) else np.nan for t in grid]
+                curve = [np.percentile(values[(ends > t - PERCENTILE_WINDOW_S) & (ends <= t)], p)
+                         if np.any((ends > t - PERCENTILE_WINDOW_S) & (ends <= t)) else np.nan for t in grid]
                 ax.plot(grid, curve, marker=".", label=f"P{p}")
             ax.legend(loc="upper left", fontsize=8)
         ax.set_ylabel(f"{metric} (ms)")
         ax.grid(alpha=0.3)
-    axes[-1].set_xlabel(f"seconds since start (percentiles over the trailing {window_s:g} s)")
+    axes[-1].set_xlabel(f"seconds since start (percentiles over the trailing {PERCENTILE_WINDOW_S:g} s)")
     fig.suptitle("neo load test: latency percentiles over time")
     fig.tight_layout()
     fig.savefig(path, format="png", dpi=100)

@@ -12,7 +12,7 @@ neo_requests at 0; the RSS and pinned memory (VmPin + VmLck) of the tritonserver
 stub, read from /proc, compared between an idle point after a warm-up and the end. Exit status 0 only when every
 check passes.
 
-Without --url it starts its own server on free 127.0.0.1 ports (neo_backend.server.launch, as `make serve` does)
+Without --url it starts its own server on free 127.0.0.1 ports (loadtest.server, as `make serve` starts one)
 with small KV pools and offload_policy=always, so both pools see traffic; --knob key=value changes its knobs.
 """
 from __future__ import annotations
@@ -25,31 +25,29 @@ import queue
 import random
 import re
 import sys
-import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Mapping
 
-import numpy as np
 import tritonclient.grpc as grpcclient
 
 from client import ClientError, NeoClient
+from client.protocol import raw_inputs
 
-from .metrics import metric_value, scrape_metrics
+from .metrics import engine_gauges, poll_metrics, scrape_metrics
+from .server import triton_server
 from .workloads import WORDS
 
 MODEL = "neo"
 KINDS = ("stream", "cancel", "drop", "bad")
-DEFAULT_WEIGHTS = {"stream": 4, "cancel": 3, "drop": 2, "bad": 2}
+WEIGHTS = {"stream": 4, "cancel": 3, "drop": 2, "bad": 2}
 # Knobs of the server this module starts itself: small pools, every decode on the CPU pool.
 DEFAULT_SERVER_KNOBS = {"num_gpu_blocks": 512, "max_num_seqs": 64, "max_model_len": 512, "cpu_kv_cache_gb": 0.1,
                         "offload_policy": "always"}
 DRAIN_TIMEOUT_S = 30.0
+OWN_SERVER_READY_TIMEOUT_S = 600.0
 RSS_TOLERANCE_MB = 128.0
 PINNED_TOLERANCE_MB = 1.0
 
@@ -72,21 +70,6 @@ BAD_REQUESTS: list[tuple[str, Any, str]] = [
 
 
 # Requests -------------------------------------------------------------------------------------------------------
-
-def _tensor(name: str, value: Any, dtype: Any) -> grpcclient.InferInput:
-    array = np.array([value], dtype=dtype)
-    inp = grpcclient.InferInput(name, [1], "BYTES" if dtype is np.object_ else "BOOL")
-    inp.set_data_from_numpy(array)
-    return inp
-
-
-def raw_inputs(prompt: bytes, sampling: bytes | None, stream: bool = True) -> list[grpcclient.InferInput]:
-    inputs = [_tensor("text_input", prompt, np.object_), _tensor("stream", stream, np.bool_),
-              _tensor("exclude_input_in_output", True, np.bool_)]
-    if sampling is not None:
-        inputs.append(_tensor("sampling_parameters", sampling, np.object_))
-    return inputs
-
 
 @dataclass
 class RawOutcome:
@@ -199,26 +182,16 @@ def memory_sample(pids: list[int]) -> MemorySample:
     return MemorySample(rss, pinned, alive)
 
 
-def engine_gauges(metrics_url: str) -> dict[str, float]:
-    samples = scrape_metrics(metrics_url)
-    return {"requests": metric_value(samples, "neo_requests"),
-            "gpu_blocks_used": metric_value(samples, "neo_kv_blocks_used", pool="gpu"),
-            "cpu_blocks_used": metric_value(samples, "neo_kv_blocks_used", pool="cpu")}
-
-
 def failures_by_reason(metrics_url: str) -> Counter:
     return Counter({ls.get("reason", ""): v for n, ls, v in scrape_metrics(metrics_url)
                     if n == "neo_request_failures_total"})
 
 
-def wait_idle(metrics_url: str, timeout: float = DRAIN_TIMEOUT_S) -> dict[str, float]:
+def wait_idle(metrics_url: str) -> dict[str, float]:
     """Poll until no request is in the engine and no KV block is used; the last gauges either way."""
-    deadline = time.monotonic() + timeout
-    while True:
-        gauges = engine_gauges(metrics_url)
-        if not any(gauges.values()) or time.monotonic() > deadline:
-            return gauges
-        time.sleep(0.25)
+    samples, _ = poll_metrics(metrics_url, lambda s: not any(engine_gauges(s).values()), DRAIN_TIMEOUT_S,
+                              interval=0.25)
+    return engine_gauges(samples)
 
 
 # The soak ------------------------------------------------------------------------------------------------------
@@ -294,8 +267,8 @@ class SoakReport:
         def mem(sample: MemorySample | None) -> str:
             return "n/a" if sample is None else f"{sample.rss_mb:.1f} MiB RSS / {sample.pinned_mb:.1f} MiB pinned"
 
-        drift = ("n/a" if self.rss_drift_mb is None else
-                 f"RSS {self.rss_drift_mb:+.1f} MiB, pinned {self.pinned_drift_mb:+.1f} MiB (end vs idle after warm-up)")
+        drift = ("n/a" if self.rss_drift_mb is None else f"RSS {self.rss_drift_mb:+.1f} MiB, pinned "
+                 f"{self.pinned_drift_mb:+.1f} MiB (end vs idle after warm-up)")
         lines = [
             f"soak: {self.duration_s:.0f} s, {self.requests_sent} requests sent "
             f"({', '.join(f'{k} {self.sent[k]}' for k in KINDS)}), {self.output_tokens} output tokens",
@@ -328,9 +301,9 @@ class _Soak:
         self.client = NeoClient(url, MODEL, timeout=request_timeout)
         self.lock = threading.Lock()
 
-    def count(self, counter: str, kind: str, n: int = 1) -> None:
+    def count(self, counter: str, kind: str) -> None:
         with self.lock:
-            getattr(self.report, counter)[kind] += n
+            getattr(self.report, counter)[kind] += 1
 
     def unexpected(self, kind: str, message: str) -> None:
         with self.lock:
@@ -347,8 +320,10 @@ class _Soak:
 
     def _stream(self, rng: random.Random) -> None:
         max_tokens = rng.randint(4, 24)
-        result = self.client.generate(random_prompt(rng), {"max_tokens": max_tokens, "ignore_eos": True,
-                                                           "temperature": rng.choice([0, 0.8]), "seed": rng.randint(0, 99)})
+        prompt = random_prompt(rng)
+        sampling = {"max_tokens": max_tokens, "ignore_eos": True, "temperature": rng.choice([0, 0.8]),
+                    "seed": rng.randint(0, 99)}
+        result = self.client.generate(prompt, sampling)
         with self.lock:
             self.report.output_tokens += result.num_output_tokens
         if result.finish_reason != "length" or result.num_output_tokens != max_tokens:
@@ -394,15 +369,13 @@ class _Soak:
             got = outcome.error or ("timed out" if outcome.timed_out else f"{outcome.responses} responses, no error")
             self.unexpected("bad", f"{name}: expected an error containing {expected!r}, got {got}")
 
-    def worker(self, seed: int, deadline: float, max_requests: int | None) -> None:
+    def worker(self, seed: int, deadline: float) -> None:
         rng = random.Random(seed)
-        n = 0
-        while time.monotonic() < deadline and (max_requests is None or n < max_requests):
+        while time.monotonic() < deadline:
             self.one(rng.choice(self.kinds), rng)
-            n += 1
 
-    def run_workers(self, concurrency: int, seed: int, deadline: float, max_requests: int | None = None) -> None:
-        threads = [threading.Thread(target=self.worker, args=(seed * 1000 + i, deadline, max_requests), daemon=True,
+    def run_workers(self, concurrency: int, seed: int, deadline: float) -> None:
+        threads = [threading.Thread(target=self.worker, args=(seed * 1000 + i, deadline), daemon=True,
                                     name=f"soak-{i}") for i in range(concurrency)]
         for t in threads:
             t.start()
@@ -416,21 +389,20 @@ class _Soak:
 
 
 def run_soak(url: str, metrics_url: str, duration_s: float, *, concurrency: int = 8, seed: int = 0,
-             request_timeout: float = 60.0, pids: list[int] | None = None, weights: Mapping[str, int] | None = None,
-             rss_tolerance_mb: float = RSS_TOLERANCE_MB, pinned_tolerance_mb: float = PINNED_TOLERANCE_MB,
-             log: Callable[[str], None] = print) -> SoakReport:
+             request_timeout: float = 60.0, pids: list[int] | None = None,
+             rss_tolerance_mb: float = RSS_TOLERANCE_MB, log: Callable[[str], None] = print) -> SoakReport:
     """Run the mixed load against a ready server for `duration_s` seconds and return the report.
 
     A warm-up (one request of each kind per worker) comes first, so the memory baseline is taken idle with every
     code path touched. `pids` (the server and its stubs) default to the tritonserver on the gRPC port of `url`.
     """
-    report = SoakReport(rss_tolerance_mb=rss_tolerance_mb, pinned_tolerance_mb=pinned_tolerance_mb)
+    report = SoakReport(rss_tolerance_mb=rss_tolerance_mb)
     if pids is None:
         pids = server_pids(int(url.rsplit(":", 1)[1]))
     report.memory_start = memory_sample(pids) if pids else None
     report.gauges_before = wait_idle(metrics_url)
     failures_before = failures_by_reason(metrics_url)
-    soak = _Soak(url, report, request_timeout, weights or DEFAULT_WEIGHTS)
+    soak = _Soak(url, report, request_timeout, WEIGHTS)
     warm = _Soak(url, SoakReport(), request_timeout, {k: 1 for k in KINDS})
     started = time.monotonic()
     try:
@@ -467,38 +439,6 @@ def run_soak(url: str, metrics_url: str, duration_s: float, *, concurrency: int 
         soak.client.close()
         warm.client.close()
     return report
-
-
-# A server of its own ---------------------------------------------------------------------------------------------
-
-@contextlib.contextmanager
-def own_server(knobs: Mapping[str, object], ready_timeout: float = 600.0) -> Iterator[tuple[str, str, int]]:
-    """A tritonserver on free 127.0.0.1 ports started as `make serve` starts one; yields (grpc url, metrics url,
-    pid) and stops it (SIGTERM, then kill) on exit."""
-    from neo_backend.server import ServerAddress, free_ports, launch, stop_server
-
-    http, grpc, metrics = free_ports(3)
-    address = ServerAddress("127.0.0.1", http, grpc, metrics)
-    with tempfile.TemporaryDirectory(prefix="neo-soak-") as work_dir:
-        log_path = Path(work_dir) / "tritonserver.log"
-        with open(log_path, "w") as log_file:
-            process = launch(address, knobs, work_dir=Path(work_dir), stdout=log_file)
-        try:
-            deadline = time.monotonic() + ready_timeout
-            while True:
-                try:
-                    with urllib.request.urlopen(f"http://{address.url('http')}/v2/health/ready", timeout=2) as r:
-                        if r.status == 200:
-                            break
-                except (urllib.error.URLError, OSError):
-                    pass
-                if process.poll() is not None or time.monotonic() > deadline:
-                    tail = log_path.read_text(errors="replace")[-4000:]
-                    raise RuntimeError(f"tritonserver not ready (exit status {process.returncode}); log tail:\n{tail}")
-                time.sleep(0.5)
-            yield address.url("grpc"), f"http://{address.url('metrics')}/metrics", process.pid
-        finally:
-            stop_server(process)
 
 
 # CLI -------------------------------------------------------------------------------------------------------------
@@ -545,9 +485,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.url:
         return soak(args.url, args.metrics_url, args.server_pid)
     log(f"soak: starting a tritonserver on 127.0.0.1 with knobs {args.knobs}")
-    with own_server(args.knobs) as (url, metrics_url, pid):
+    with triton_server(args.knobs, ready_timeout=OWN_SERVER_READY_TIMEOUT_S) as server:
         time.sleep(1.0)  # let the stub settle before the memory snapshot
-        return soak(url, metrics_url, args.server_pid or server_pids(int(url.rsplit(":", 1)[1])))
+        return soak(server.grpc_url, server.metrics_url, args.server_pid or server_pids(server.address.grpc_port))
 
 
 if __name__ == "__main__":

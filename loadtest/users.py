@@ -24,7 +24,7 @@ from locust import User, events, task
 from locust.env import Environment
 from locust.stats import CSV_STATS_INTERVAL_SEC
 
-from client import GenerationResult
+from client import ClientError, GenerationResult
 from loadtest.records import RecordWriter, RequestRecord
 from loadtest.workloads import WORKLOADS, RequestSpec, make_source
 
@@ -32,6 +32,10 @@ from loadtest.workloads import WORKLOADS, RequestSpec, make_source
 FAILURE_BACKOFF_S = 1.0
 _user_ids = itertools.count()
 _records: RecordWriter | None = None
+
+
+class BacklogFullError(ClientError):
+    """An open-loop arrival found `--max-in-flight` requests of its user still running; it counts as failed."""
 
 
 @events.init_command_line_parser.add_listener
@@ -110,7 +114,7 @@ class StreamingUser(User):
         per_user_rate = self.opts.rate / max(1, self.environment.runner.user_count)
         gevent.sleep(self.arrivals.expovariate(per_user_rate))
         if self.in_flight.full():
-            self._report_failure(time.time(), RuntimeError(
+            self._report_failure(time.time(), BacklogFullError(
                 f"open-loop backlog full ({self.opts.max_in_flight} in flight); lower --rate or add users"))
         else:
             self.in_flight.spawn(self._one_request)

@@ -21,6 +21,8 @@ import random
 from dataclasses import dataclass
 from typing import Protocol
 
+from client import ClientError
+
 WORDS = tuple("""
 the of and to in is it that for on with as was at by be this are from or have an they which one you were her
 all she there would their we him been has when who will more no if out so said what up its about into than them
@@ -127,4 +129,4 @@ def make_source(workload: str, seed: int, input_tokens: int = 128, output_tokens
         return A10GSource(rng)
     if workload == "conversation":
         return ConversationSource(rng)
-    raise ValueError(f"unknown workload {workload!r}; choose one of {', '.join(WORKLOADS)}")
+    raise ClientError(f"unknown workload {workload!r}; choose one of {', '.join(WORKLOADS)}")

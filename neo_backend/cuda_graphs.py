@@ -2,7 +2,7 @@
 decode step on an H200; a replay costs one launch.
 
 - `DecodeGraphs`: the whole model per batch-size bucket, for GPU-only decode steps.
-- `LaneGraphs`: one NEO pipeline lane's layer segments per bucket (see pipeline.py), so the two sub-batches
+- `LaneGraphs`: one NEO pipeline lane's layer segments (segments.py) per bucket, so the two sub-batches
   can interleave layer by layer around the CPU attention without paying eager launches.
 
 Both replay with the step's inputs copied into static buffers (`DecodeInputs`). Padded rows, and rows whose
@@ -17,6 +17,7 @@ import torch
 
 from .cpu.handoff import HAND_OFF_SPIN_S, Flags
 from .layers.attention import AttentionMetadata
+from .segments import HostHandOff, LayerSegments
 
 log = logging.getLogger("neo_backend")
 
@@ -125,13 +126,10 @@ def capture(fn, pool) -> tuple[torch.cuda.CUDAGraph, object]:
 
 
 class LaneGraphs:
-    """One pipeline lane's decode-only layer segments, captured per bucket and per `with_host` (whether the
-    lane carries host rows: their q/k/v go to pinned buffers and their attention comes back from one).
-
-    Segment L runs everything between two attentions: for L > 0 the merge of the host rows' attention of
-    layer L-1 and that layer's output half; for L < num_layers the input half of layer L and its device
-    attention. Segment num_layers ends with the final norm. Tensors that live across segments are static:
-    `attn`, `residual`, `final` on the device, `host_q/k/v/out` pinned on the host.
+    """One pipeline lane's decode-only layer segments (segments.py), captured per bucket and per `with_host`
+    (whether the lane carries host rows: their q/k/v go to pinned buffers and their attention comes back from one).
+    Tensors that live across segments are static: `attn`, `residual`, `final` on the device, `host_q/k/v/out`
+    pinned on the host.
     """
 
     def __init__(self, model, inputs: DecodeInputs, host_variants: tuple[bool, ...]) -> None:
@@ -148,7 +146,7 @@ class LaneGraphs:
         self.host_v = torch.zeros(self.host_k.shape, dtype=dtype, pin_memory=True)
         self.host_out = torch.zeros(self.host_q.shape, dtype=dtype, pin_memory=True)
         self.ready = Flags(len(model.layers), HAND_OFF_SPIN_S, pin=True)
-        self._one = torch.ones(1, dtype=torch.int64, device=device)
+        self.one = torch.ones(1, dtype=torch.int64, device=device)
         self.graphs: dict[tuple[int, bool, int], torch.cuda.CUDAGraph] = {}
         pool = None
         for bs in reversed(self.buckets):
@@ -159,26 +157,7 @@ class LaneGraphs:
 
     @torch.inference_mode()
     def _segment(self, layer_idx: int, bs: int, with_host: bool) -> None:
-        model, inputs = self.model, self.inputs
-        if layer_idx == 0:
-            hidden, residual = model.embed_tokens(inputs.input_ids[:bs]), None
-        else:
-            attn = self.attn[:bs]
-            if with_host:
-                host_out = self.host_out[:bs].to(attn.device, non_blocking=True)
-                attn = torch.where(self.host_mask[:bs], host_out, attn)
-            hidden, residual = model.layers[layer_idx - 1].attention_outputs(attn, self.residual[:bs])
-        if layer_idx == len(model.layers):
-            self.final[:bs].copy_(model.norm(hidden, residual)[0])
-            return
-        layer = model.layers[layer_idx]
-        q, k, v, residual = layer.attention_inputs(inputs.positions[:bs], hidden, residual)
-        self.attn[:bs].copy_(layer.attn(q, k, v, inputs.meta(bs)))
-        self.residual[:bs].copy_(residual)
-        if with_host:
-            for host, dev in ((self.host_q, q), (self.host_k, k), (self.host_v, v)):
-                host[:bs].copy_(dev, non_blocking=True)
-            self.ready.set_in_order(layer_idx, self._one)
+        _BucketSegments(self, bs, with_host).segment(layer_idx)
 
     def load(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, num_host: int
              ) -> int:
@@ -192,3 +171,29 @@ class LaneGraphs:
 
     def replay(self, bs: int, with_host: bool, segment: int) -> None:
         self.graphs[bs, with_host, segment].replay()
+
+
+class _BucketSegments(LayerSegments):
+    """A `LaneGraphs` bucket's segments as captured: every tensor that outlives a segment is a static buffer, and
+    host rows are merged by `host_mask`, as their number changes from one replay to the next."""
+
+    def __init__(self, graphs: LaneGraphs, bs: int, with_host: bool) -> None:
+        g, inputs = graphs, graphs.inputs
+        host = (HostHandOff(g.host_q[:bs], g.host_k[:bs], g.host_v[:bs], g.host_out[:bs], 0, g.ready, g.one)
+                if with_host else None)
+        super().__init__(g.model, inputs.input_ids[:bs], inputs.positions[:bs], inputs.meta(bs), host)
+        self.graphs, self.bs = graphs, bs
+
+    def saved(self) -> tuple[torch.Tensor, torch.Tensor]:
+        g, bs = self.graphs, self.bs
+        attn = g.attn[:bs]
+        if self.host is not None:
+            attn = torch.where(g.host_mask[:bs], self.host.out.to(attn.device, non_blocking=True), attn)
+        return attn, g.residual[:bs]
+
+    def save(self, attn: torch.Tensor, residual: torch.Tensor) -> None:
+        self.graphs.attn[:self.bs].copy_(attn)
+        self.graphs.residual[:self.bs].copy_(residual)
+
+    def finish(self, hidden: torch.Tensor) -> None:
+        self.graphs.final[:self.bs].copy_(hidden)

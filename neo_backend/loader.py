@@ -83,7 +83,7 @@ def load_model(source: ModelSource, cfg: ModelConfig, max_position: int, dtype: 
         weights = _gguf_weights(source.path, cfg) if source.load_format == "gguf" else _safetensors_weights(source.path)
         try:
             model.load_weights(weights)
-        except (KeyError, ValueError) as exc:
+        except (ModelLoadError, ValueError) as exc:  # ValueError: numpy cannot shape a malformed GGUF tensor
             raise ModelLoadError(f"weights in {source.path} do not fit the model: {exc}") from exc
     model.eval()
     log.info("loaded %s weights from %s in %.1fs (%d layers, hidden %d, %s on %s)", source.load_format,

@@ -25,6 +25,7 @@ from .cpu.host_attention import HostAttention, HostDecodeBatch
 from .cuda_graphs import LaneGraphs
 from .errors import KernelError
 from .layers.attention import AttentionMetadata
+from .segments import HostHandOff, LayerSegments
 
 
 def spin_seconds(device: torch.device) -> float:
@@ -41,50 +42,47 @@ class SubBatch:
     host_batch: HostDecodeBatch | None
 
 
-class EagerLane:
+class EagerLane(LayerSegments):
     """A sub-batch laid out as [prefills | device decodes | host decodes], run with eager launches. Its host
     rows go through buffers allocated once per iteration (pinned on CUDA), like a `GraphLane`'s."""
 
     def __init__(self, model, sub: SubBatch) -> None:
-        self.model, self.sub = model, sub
-        self.num_device = sub.meta.num_device_tokens
-        self.hidden = model.embed_tokens(sub.input_ids)
+        self.sub = sub
+        self.device = sub.input_ids.device
+        host = None if sub.host_batch is None else self._host_buffers(model, sub)
+        super().__init__(model, sub.input_ids, sub.positions, sub.meta, host)
+        self.hidden: torch.Tensor | None = None
         self.residual: torch.Tensor | None = None
         self.attn_out: torch.Tensor | None = None
-        self.device = sub.input_ids.device
-        if sub.host_batch is not None:
-            cfg, dtype = model.config, self.hidden.dtype
-            pin = self.device.type == "cuda"
-            rows = sub.host_batch.size
-            self.host_q, self.host_out = (torch.empty(rows, cfg.num_heads, cfg.head_dim, dtype=dtype, pin_memory=pin)
-                                          for _ in range(2))
-            self.host_k, self.host_v = (torch.empty(rows, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, pin_memory=pin)
-                                        for _ in range(2))
-            self.ready = Flags(len(model.layers), spin_seconds(self.device), pin=pin)
-            self._one = torch.ones(1, dtype=torch.int64, device=self.device)
 
-    def segment(self, layer_idx: int) -> None:
-        model, n = self.model, self.num_device
-        host = self.sub.host_batch is not None
-        if layer_idx > 0:
-            if host:
-                self.attn_out[n:] = self.host_out.to(self.device, non_blocking=True)
-            self.hidden, self.residual = model.layers[layer_idx - 1].attention_outputs(self.attn_out, self.residual)
-        if layer_idx == len(model.layers):
-            self.hidden = model.norm(self.hidden, self.residual)[0]
-            return
-        layer = model.layers[layer_idx]
-        q, k, v, self.residual = layer.attention_inputs(self.sub.positions, self.hidden, self.residual)
-        self.attn_out = layer.attn(q, k, v, self.sub.meta)
-        if host:
-            for dst, src in ((self.host_q, q), (self.host_k, k), (self.host_v, v)):
-                dst.copy_(src[n:], non_blocking=True)
-            self.ready.set_in_order(layer_idx, self._one)
+    def _host_buffers(self, model, sub: SubBatch) -> HostHandOff:
+        cfg, dtype = model.config, model.embed_tokens.weight.dtype
+        pin = self.device.type == "cuda"
+        rows = sub.host_batch.size
+        q, out = (torch.empty(rows, cfg.num_heads, cfg.head_dim, dtype=dtype, pin_memory=pin) for _ in range(2))
+        k, v = (torch.empty(rows, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, pin_memory=pin) for _ in range(2))
+        ready = Flags(len(model.layers), spin_seconds(self.device), pin=pin)
+        return HostHandOff(q, k, v, out, sub.meta.num_device_tokens, ready,
+                           torch.ones(1, dtype=torch.int64, device=self.device))
+
+    @property
+    def ready(self) -> Flags:
+        return self.host.ready
+
+    def saved(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.host is not None:
+            self.attn_out[self.host.first_row:] = self.host.out.to(self.device, non_blocking=True)
+        return self.attn_out, self.residual
+
+    def save(self, attn: torch.Tensor, residual: torch.Tensor) -> None:
+        self.attn_out, self.residual = attn, residual
+
+    def finish(self, hidden: torch.Tensor) -> None:
+        self.hidden = hidden
 
     def host_lane(self) -> IterationLane:
-        b = self.sub.host_batch
-        return IterationLane(self.host_q, self.host_k, self.host_v, self.host_out, b.block_tables, b.context_lens,
-                             b.slots, self.ready)
+        b, h = self.sub.host_batch, self.host
+        return IterationLane(h.q, h.k, h.v, h.out, b.block_tables, b.context_lens, b.slots, h.ready)
 
     def final(self) -> torch.Tensor:
         return self.hidden
@@ -127,7 +125,7 @@ class PipelinedExecutor:
     # Far beyond any iteration; a hand-off that takes longer means the other side is gone.
     HANDOFF_TIMEOUT_S = 120.0
 
-    def __init__(self, host_attention: HostAttention, lane_graphs: list[LaneGraphs] | None = None) -> None:
+    def __init__(self, host_attention: HostAttention, lane_graphs: list[LaneGraphs] | None) -> None:
         self.host_attention = host_attention
         self.lane_graphs = lane_graphs
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="neo-cpu-attention",

@@ -129,10 +129,10 @@ def prepare_backend_dir(install: TritonInstall, cache_dir: Path) -> Path | None:
     return target
 
 
-def server_env(install: TritonInstall, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+def server_env(install: TritonInstall) -> dict[str, str]:
     """The server's environment: this interpreter's bin first on PATH (the python-backend stub takes its packages
     from there) and, for the bundled server, its libraries and libpython on LD_LIBRARY_PATH."""
-    env = dict(os.environ if environ is None else environ)
+    env = dict(os.environ)
     env["PATH"] = _prepend(str(Path(sys.executable).parent), env.get("PATH"))
     if install.library_dirs:
         env["LD_LIBRARY_PATH"] = _prepend(os.pathsep.join(map(str, install.library_dirs)), env.get("LD_LIBRARY_PATH"))
@@ -208,8 +208,8 @@ def build_command(install: TritonInstall, repository: Path, backend_dir: Path | 
 
 
 def launch(address: ServerAddress, overrides: Mapping[str, object] | None = None, *, work_dir: Path,
-           cache_dir: Path | None = None, repository: Path = DEFAULT_MODEL_REPOSITORY,
-           stdout: IO | int | None = None, extra_args: list[str] = ()) -> subprocess.Popen:
+           repository: Path = DEFAULT_MODEL_REPOSITORY, stdout: IO | int | None = None,
+           extra_args: list[str] = ()) -> subprocess.Popen:
     """Start tritonserver on a copy of `repository` (rendered into `work_dir`) and return the process.
 
     The server leads its own process group, shared with its python-backend stubs; stop it with `stop_server`.
@@ -217,8 +217,7 @@ def launch(address: ServerAddress, overrides: Mapping[str, object] | None = None
     """
     install = find_tritonserver()
     check_model_importable()
-    cache_dir = cache_dir or EngineConfig().cache_path / "triton"
-    backend_dir = prepare_backend_dir(install, cache_dir)
+    backend_dir = prepare_backend_dir(install, EngineConfig().cache_path / "triton")
     model_repo = render_model_repository(work_dir / "model_repository", overrides, repository)
     command = build_command(install, model_repo, backend_dir, address, extra_args)
     log.info("starting %s", " ".join(command))
@@ -270,13 +269,13 @@ def launch_gateway(address: ServerAddress, extra_args: list[str] = (), stdout: I
     return subprocess.Popen(command, stdout=stdout, stderr=subprocess.STDOUT if stdout is not None else None)
 
 
-def stop_gateway(process: subprocess.Popen, timeout: float = EXIT_TIMEOUT_S) -> int:
+def stop_gateway(process: subprocess.Popen) -> int:
     process.terminate()
     try:
-        return process.wait(timeout)
+        return process.wait(EXIT_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         process.kill()
-        return process.wait(timeout)
+        return process.wait(EXIT_TIMEOUT_S)
 
 
 def serve(args: object = None) -> int:

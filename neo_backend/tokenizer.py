@@ -50,7 +50,7 @@ class IncrementalDetokenizer:
         self.num_sent_chars = 0
         self.stopped = False
 
-    def add_token(self, token_id: int, check_stop: bool = True) -> None:
+    def add_token(self, token_id: int, check_stop: bool) -> None:
         if self.stopped:
             return
         self.token_ids.append(token_id)

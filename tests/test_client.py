@@ -15,8 +15,9 @@ import pytest
 
 from client import AsyncNeoClient, NeoClient, ServerError, render_chat
 from client.__main__ import parse_args, sampling_from_args
-from server_utils import (RunningServer, free_ports, kv_blocks_used, requests_in_engine, triton_server,
-                          wait_for_metrics)
+from loadtest.server import RunningServer, triton_server
+from neo_backend.server import free_ports
+from server_utils import kv_blocks_used, requests_in_engine, wait_for_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 STATS_LINE = re.compile(r"TTFT (\d+\.\d) ms \| TPOT (\d+\.\d) ms \| (\d+\.\d) tokens/s \| (\d+) tokens in "

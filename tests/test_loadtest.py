@@ -17,8 +17,8 @@ import pytest
 from loadtest.__main__ import duration_seconds
 from loadtest.records import RecordWriter, RequestRecord, read_records
 from loadtest.report import plot_percentiles_over_time, summarize
+from loadtest.server import RunningServer, triton_server
 from loadtest.workloads import A10GSource, WORKLOADS, make_source, words
-from server_utils import RunningServer, triton_server
 
 ROOT = Path(__file__).resolve().parent.parent
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -22,13 +22,14 @@ from starlette.testclient import TestClient
 
 from client import NeoClient, ServerError, render_chat
 from loadtest.records import read_records
+from loadtest.server import RunningServer, triton_server
 from neo_backend import EngineConfig
 from neo_backend.server import free_ports, launch_gateway, stop_gateway
 from neo_backend.tokenizer import Tokenizer
 from openai_frontend import GatewayConfig, create_app
 from openai_frontend.errors import APIError, from_client_error
 from openai_frontend.served_model import ServedModel
-from server_utils import RunningServer, kv_blocks_used, requests_in_engine, triton_server, wait_for_metrics
+from server_utils import kv_blocks_used, requests_in_engine, wait_for_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 KNOBS = {"num_gpu_blocks": 256, "max_model_len": 512, "cpu_kv_cache_gb": 0.05, "max_num_seqs": 16}

@@ -11,7 +11,6 @@ import os
 import queue
 import random
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -24,9 +23,12 @@ from hypothesis import strategies as st
 from tritonclient.utils import InferenceServerException
 
 from client import NeoClient, ServerError
-from loadtest.soak import raw_inputs, run_soak, server_pids
+from client.protocol import raw_inputs
+from loadtest.metrics import engine_gauges, metric_value, scrape_metrics
+from loadtest.server import RunningServer, triton_server
+from loadtest.soak import run_soak, server_pids
 from neo_backend.server import MODEL_NAME, ServerAddress, build_command, find_tritonserver
-from server_utils import RunningServer, metric_value, scrape_metrics, triton_server, wait_for_metrics
+from server_utils import wait_for_metrics
 
 REPO = Path(__file__).resolve().parent.parent
 # Small pools; every decode on the CPU pool (offload_policy=always) with a tiny host pool, so both pools see
@@ -43,28 +45,16 @@ def server() -> RunningServer:
         yield running
 
 
-def engine_gauges(samples: list) -> dict[str, float]:
-    return {"requests": metric_value(samples, "neo_requests"),
-            "gpu": metric_value(samples, "neo_kv_blocks_used", pool="gpu"),
-            "cpu": metric_value(samples, "neo_kv_blocks_used", pool="cpu")}
-
-
 def wait_drained(server: RunningServer, timeout: float = DRAIN_TIMEOUT_S) -> list:
     """The first scrape with no request left in the engine and no KV block used in either pool, within
     `timeout`."""
-    drained = {"requests": 0, "gpu": 0, "cpu": 0}
-    return wait_for_metrics(server, lambda s: engine_gauges(s) == drained, "drained", timeout)
+    return wait_for_metrics(server, lambda s: not any(engine_gauges(s).values()), "drained", timeout)
 
 
 def assert_serves(server: RunningServer) -> None:
     with NeoClient(server.grpc_url, timeout=TIMEOUT_S) as client:
         result = client.generate("The capital of France is", {"max_tokens": 6, "ignore_eos": True, "temperature": 0})
     assert result.finish_reason == "length" and result.num_output_tokens == 6
-
-
-def is_ready(server: RunningServer) -> bool:
-    with urllib.request.urlopen(f"http://{server.http_url}/v2/health/ready", timeout=5) as response:
-        return response.status == 200
 
 
 # 1. Soak ---------------------------------------------------------------------------------------------------------
@@ -304,7 +294,7 @@ def test_fuzzed_requests_get_a_response_or_a_clear_error(server, inputs):
 
 
 def test_server_is_ready_and_drained_after_the_fuzzing(server):
-    assert is_ready(server)
+    assert server.is_ready(timeout=5)
     wait_drained(server)
     assert_serves(server)
     print(f"fuzz outcomes: {FUZZ_SEEN}")
@@ -389,7 +379,7 @@ def test_model_repository_cannot_be_changed_over_the_api(server):
             client.infer("../neo", raw_inputs(b"hi", None, stream=False), client_timeout=TIMEOUT_S)
     finally:
         client.close()
-    assert is_ready(server)
+    assert server.is_ready(timeout=5)
 
 
 UNSAFE_CALLS = {"eval", "exec", "compile", "pickle.load", "pickle.loads", "cPickle.loads", "marshal.loads",

@@ -18,11 +18,12 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
+from loadtest.metrics import metric_value, scrape_metrics
+from loadtest.server import RunningServer, ServerStartError, triton_server
 from neo_backend import ConfigError, EngineConfig, LLMEngine
-from neo_backend.server import (DEFAULT_MODEL_REPOSITORY, MODEL_NAME, ServerAddress, knob_overrides,
+from neo_backend.server import (DEFAULT_MODEL_REPOSITORY, MODEL_NAME, ServerAddress, free_ports, knob_overrides,
                                 read_parameters)
-from server_utils import (RunningServer, free_ports, kv_blocks_used, metric_value, requests_in_engine, scrape_metrics,
-                          triton_server, wait_for_metrics)
+from server_utils import kv_blocks_used, requests_in_engine, wait_for_metrics
 
 # Small pools and a short max_model_len keep start-up quick and make "prompt too long" cheap to hit.
 KNOBS = {"num_gpu_blocks": 256, "max_model_len": 256, "cpu_kv_cache_gb": 0.05, "max_num_seqs": 32}
@@ -172,7 +173,7 @@ def test_bad_parameter_fails_the_model_load_naming_it(tmp_path, key, value, mess
     config = repository / MODEL_NAME / "config.pbtxt"
     config.write_text(config.read_text() + f'parameters {{ key: "{key}" value: {{ string_value: "{value}" }} }}\n')
     with triton_server(repository=repository, wait=False) as server:
-        with pytest.raises(RuntimeError, match="exited"):
+        with pytest.raises(ServerStartError, match="exited"):
             server.wait_ready(timeout=TIMEOUT_S)
         assert message in server.log()
 

@@ -4,6 +4,7 @@ import math
 import torch
 from torch import nn
 
+from ..errors import ModelLoadError
 from . import fused
 
 
@@ -27,7 +28,8 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor
         scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
         mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
         return torch.where(mid, smoothed, scaled)
-    raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: default, linear, llama3)")
+    raise ModelLoadError(f"the model's rope_scaling type {kind!r} is not supported (supported: default, linear, "
+                         "llama3)")
 
 
 class RotaryEmbedding(nn.Module):

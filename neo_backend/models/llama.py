@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
+from ..errors import ModelLoadError
 from ..layers.activation import silu_and_mul
 from ..layers.attention import AttentionMetadata, PagedAttention
 from ..layers.norm import RMSNorm
@@ -93,12 +94,12 @@ class LlamaForCausalLM(nn.Module):
             if name is None:
                 continue
             if name not in params:
-                raise KeyError(f"checkpoint tensor {hf_name} has no place in the model")
+                raise ModelLoadError(f"checkpoint tensor {hf_name} has no place in the model")
             self._copy(params[name], tensor, self._shard_span(name, shard))
             written[name] += 1
         missing = [n for n, count in written.items() if count != expected[n]]
         if missing:
-            raise KeyError(f"checkpoint lacks tensors for: {', '.join(missing[:8])}")
+            raise ModelLoadError(f"checkpoint lacks tensors for: {', '.join(missing[:8])}")
 
     def _param_name(self, hf_name: str) -> tuple[str | None, int | None]:
         if "rotary_emb" in hf_name:
@@ -128,5 +129,5 @@ class LlamaForCausalLM(nn.Module):
     def _copy(param: nn.Parameter, tensor: torch.Tensor, span: tuple[int, int] | None) -> None:
         target = param.data if span is None else param.data.narrow(0, *span)
         if target.shape != tensor.shape:
-            raise ValueError(f"shape mismatch: checkpoint {tuple(tensor.shape)} vs model {tuple(target.shape)}")
+            raise ModelLoadError(f"shape mismatch: checkpoint {tuple(tensor.shape)} vs model {tuple(target.shape)}")
         target.copy_(tensor)
