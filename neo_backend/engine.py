@@ -231,9 +231,7 @@ class LLMEngine:
         c.modes[batch.mode] = c.modes.get(batch.mode, 0) + 1
         measured = time.monotonic() - start
         if self.perf_model is not None:
-            self.perf_model.observe_iteration(batch.predicted_time / (self.perf_model.offload_slowdown
-                                                                     if batch.cpu_decodes else 1.0),
-                                              measured, bool(batch.cpu_decodes))
+            self.perf_model.observe_iteration(batch.predicted_time, measured, bool(batch.cpu_decodes))
             if batch.cpu_decodes:
                 self.perf_model.observe_cpu(batch.predicted_cpu_time, host_seconds)
         c.last_iteration = {

@@ -281,7 +281,7 @@ class Scheduler:
     def best_mode(self, gpu_tokens: int, gpu_ctx: int, ctx: list[int]) -> tuple[float, bool, int]:
         """(predicted time, pipelined?, split) with the best tokens/s for these CPU decodes."""
         time, pipelined, split = self._best_mode_uncorrected(gpu_tokens, gpu_ctx, ctx)
-        return (time * self.perf.offload_slowdown if ctx else time), pipelined, split
+        return self.perf.corrected(time, bool(ctx)), pipelined, split
 
     def _best_mode_uncorrected(self, gpu_tokens: int, gpu_ctx: int, ctx: list[int]) -> tuple[float, bool, int]:
         n = len(ctx)
