@@ -29,7 +29,8 @@ from neo_backend.block_manager import BlockManager  # noqa: E402
 from neo_backend.host_kv import BlockSwapper, HostKVCache  # noqa: E402
 from neo_backend.perf_model import PerfModel  # noqa: E402
 from neo_backend.profiler import DENSE_PROFILE_TOKENS  # noqa: E402
-from neo_backend.scheduler import Scheduler, SchedulerOutput  # noqa: E402
+from neo_backend.scheduler import Scheduler  # noqa: E402
+from neo_backend.scheduler_output import SchedulerOutput  # noqa: E402
 from neo_backend.sequence import Sequence  # noqa: E402
 
 BLOCK_SIZE = 16
@@ -76,7 +77,7 @@ def setting(name: str, sm8_bw: float = 637e9, sm8_flops: float = 55e12, host_bw:
 
 
 def iteration_time(perf: PerfModel, out: SchedulerOutput) -> float:
-    tokens, ctx = Scheduler._gpu_work(out)
+    tokens, ctx = out.gpu_work()
     cpu = [len(s.token_ids) for s in out.cpu_decodes]
     if out.pipelined:
         split = out.split

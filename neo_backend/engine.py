@@ -17,7 +17,8 @@ from .outputs import RequestMetrics, RequestOutput
 from .profiler import load_or_profile
 from .sampling_params import SamplingParams
 from .layers.sampler import SampleResult
-from .scheduler import Scheduler, SchedulerOutput
+from .scheduler import Scheduler
+from .scheduler_output import SchedulerOutput
 from .sequence import Sequence, SequenceStatus
 from .tokenizer import IncrementalDetokenizer
 

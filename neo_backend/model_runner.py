@@ -18,7 +18,7 @@ from .layers.attention import AttentionMetadata, PrefillChunk
 from .layers.sampler import SampleResult, Sampler
 from .loader import ModelSource, load_model
 from .pipeline import PipelinedExecutor, SubBatch
-from .scheduler import SchedulerOutput
+from .scheduler_output import SchedulerOutput
 from .sequence import Sequence
 
 log = logging.getLogger("neo_backend")

@@ -18,48 +18,18 @@ objective); otherwise the next prompt waits, or the request is preempted by reco
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .host_kv import BlockSwapper
 from .perf_model import PerfModel
+from .scheduler_output import SchedulerOutput
 from .sequence import Placement, Sequence, SequenceStatus
 
 MAX_SKIPPED_ITERATIONS = 4   # auto: a CPU-request left out this many iterations in a row runs regardless
 GPU_WATERMARK = 0.05         # auto: keep this fraction of device blocks free before offloading new requests
 CPU_BEHIND = 1.5             # auto: measured/predicted host time above this stops new offloads
 HOST_SLOW = 3.0              # auto: host attention this much slower than profiled sends CPU-requests back
-
-
-@dataclass
-class SchedulerOutput:
-    prefills: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens in this chunk)
-    gpu_decodes: list[Sequence] = field(default_factory=list)
-    cpu_decodes: list[Sequence] = field(default_factory=list)
-    pipelined: bool = False
-    split: int = 0                     # pipelined: cpu_decodes[:split] ride in sub-batch 0, the rest in 1
-    offload_after_step: list[Sequence] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-    predicted_time: float = 0.0
-    predicted_cpu_time: float = 0.0
-
-    @property
-    def is_empty(self) -> bool:
-        return not (self.prefills or self.gpu_decodes or self.cpu_decodes)
-
-    @property
-    def num_prefill_tokens(self) -> int:
-        return sum(n for _, n in self.prefills)
-
-    @property
-    def mode(self) -> str:
-        if not self.cpu_decodes:
-            return "gpu_only"
-        return "pipelined" if self.pipelined else "sequential"
-
-    def scheduled(self) -> list[tuple[Sequence, int]]:
-        return self.prefills + [(s, 1) for s in self.gpu_decodes + self.cpu_decodes]
 
 
 class Scheduler:
@@ -140,17 +110,10 @@ class Scheduler:
         if not out.preempted:
             self._admit(out, budget)
         if self.perf is not None:
-            out.predicted_time = self.perf.sequential(*self._gpu_work(out), 0, 0)
+            out.predicted_time = self.perf.sequential(*out.gpu_work(), 0, 0)
         self._plan_cpu_decodes(out, cpu_ready)
         self._place_finished_prefills(out)
         return out
-
-    @staticmethod
-    def _gpu_work(out: SchedulerOutput) -> tuple[int, int]:
-        """(tokens, context tokens) of the iteration's device part."""
-        tokens = out.num_prefill_tokens + len(out.gpu_decodes)
-        ctx = sum(len(s.token_ids) for s in out.gpu_decodes) + sum(s.num_computed_tokens + n for s, n in out.prefills)
-        return tokens, ctx
 
     def offload(self, seqs: list[Sequence]) -> None:
         """Start moving freshly prefilled requests to the host pool (after the step that prefilled them)."""
@@ -259,7 +222,7 @@ class Scheduler:
         """
         if not ready:
             return
-        gpu_tokens, gpu_ctx = self._gpu_work(out)
+        gpu_tokens, gpu_ctx = out.gpu_work()
         gpu_alone = self.perf.sequential(gpu_tokens, gpu_ctx, 0, 0)
         bound = gpu_alone * self.config.cpu_latency_slack if self.policy == "auto" and gpu_tokens else float("inf")
         ready = sorted(ready, key=lambda s: -self._skipped.get(s.request_id, 0))

@@ -8,7 +8,8 @@ from neo_backend import EngineConfig, ModelConfig, SamplingParams
 from neo_backend.block_manager import BlockManager
 from neo_backend.host_kv import BlockSwapper, HostKVCache
 from neo_backend.perf_model import PerfModel
-from neo_backend.scheduler import CPU_BEHIND, HOST_SLOW, Scheduler, SchedulerOutput
+from neo_backend.scheduler import CPU_BEHIND, HOST_SLOW, Scheduler
+from neo_backend.scheduler_output import SchedulerOutput
 from neo_backend.sequence import Placement, Sequence
 
 BLOCK = 4

@@ -1,0 +1,42 @@
+"""The scheduler's plan for one iteration: what runs where, and how."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .sequence import Sequence
+
+
+@dataclass
+class SchedulerOutput:
+    prefills: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens in this chunk)
+    gpu_decodes: list[Sequence] = field(default_factory=list)
+    cpu_decodes: list[Sequence] = field(default_factory=list)
+    pipelined: bool = False
+    split: int = 0                     # pipelined: cpu_decodes[:split] ride in sub-batch 0, the rest in 1
+    offload_after_step: list[Sequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    predicted_time: float = 0.0
+    predicted_cpu_time: float = 0.0
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.prefills or self.gpu_decodes or self.cpu_decodes)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(n for _, n in self.prefills)
+
+    @property
+    def mode(self) -> str:
+        if not self.cpu_decodes:
+            return "gpu_only"
+        return "pipelined" if self.pipelined else "sequential"
+
+    def gpu_work(self) -> tuple[int, int]:
+        """(tokens, context tokens) of the iteration's device part."""
+        tokens = self.num_prefill_tokens + len(self.gpu_decodes)
+        ctx = sum(len(s.token_ids) for s in self.gpu_decodes) + sum(s.num_computed_tokens + n for s, n in self.prefills)
+        return tokens, ctx
+
+    def scheduled(self) -> list[tuple[Sequence, int]]:
+        return self.prefills + [(s, 1) for s in self.gpu_decodes + self.cpu_decodes]
