@@ -93,8 +93,8 @@ def simulate(policy: str, roof: Roofline, gpu_blocks: int, cpu_gb: float, trace,
     shape = (gpu_blocks, BLOCK_SIZE, 1, 4)
     host = HostKVCache(_TINY, max(cpu_blocks, 1), BLOCK_SIZE, torch.float32)
     swapper = BlockSwapper([torch.zeros(shape)], [torch.zeros(shape)], host, torch.device("cpu"))
-    sched = Scheduler(config, BlockManager(gpu_blocks, BLOCK_SIZE, "gpu"), BlockManager(cpu_blocks, BLOCK_SIZE, "cpu"),
-                      swapper, perf)
+    gpu_pool, cpu_pool = BlockManager(gpu_blocks, BLOCK_SIZE, "gpu"), BlockManager(cpu_blocks, BLOCK_SIZE, "cpu")
+    sched = Scheduler(config, policy, gpu_pool, cpu_pool, swapper, perf)
     records = [Record(offset) for offset, _, _ in trace]
     seqs = [Sequence(f"r{i}", None, prompt, SamplingParams(max_tokens=out, ignore_eos=True), arrival_time=offset)
             for i, (offset, prompt, out) in enumerate(trace)]

@@ -56,12 +56,12 @@ class LLMEngine:
         self.gpu_blocks = BlockManager(self.runner.num_gpu_blocks, self.config.block_size, "gpu")
         self.cpu_blocks = BlockManager(self.runner.num_cpu_blocks, self.config.block_size, "cpu")
         self.perf_model = None
-        if self.runner.host_cache is not None:
+        if self.runner.offload_policy != "never":
             with self.runner.device_scope():
                 self.perf_model = load_or_profile(self.runner, self.runner.host_cache,
                                                   cpu_attention.get_num_threads())
-        self.scheduler = Scheduler(self.config, self.gpu_blocks, self.cpu_blocks, self.runner.swapper,
-                                   self.perf_model)
+        self.scheduler = Scheduler(self.config, self.runner.offload_policy, self.gpu_blocks, self.cpu_blocks,
+                                   self.runner.swapper, self.perf_model)
         log.info("offload policy %s, pipeline %s, host KV %d blocks, CPU attention threads %d",
                  self.scheduler.policy, self.config.pipeline, self.cpu_blocks.num_blocks,
                  cpu_attention.get_num_threads())
@@ -119,7 +119,7 @@ class LLMEngine:
             raise ConfigError(f"offload_policy={policy!r} is not one of {', '.join(OFFLOAD_POLICIES)}")
         if self.has_unfinished_requests():
             raise ConfigError("the offload policy can change only while no request is in flight")
-        if policy != "never" and not self.cpu_blocks.num_blocks:
+        if policy != "never" and self.runner.offload_policy == "never":
             raise ConfigError(f"offload_policy={policy} needs the host KV pool, which this engine (built under "
                               f"offload_policy={self.config.offload_policy}) does not have")
         self.scheduler.policy = policy

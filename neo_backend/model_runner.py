@@ -75,7 +75,9 @@ class ModelRunner:
                             scratch_block=self.num_gpu_blocks, block_size=self.block_size)
 
     def _init_offload(self, config: EngineConfig, model_cfg: ModelConfig) -> None:
-        """The host side of NEO: host KV pool, swapper, CPU attention and the pipelined executor."""
+        """The host side of NEO: host KV pool, swapper, CPU attention and the pipelined executor. Without it
+        the engine serves `offload_policy` never, whatever was asked (`offload_policy` holds what it serves)."""
+        self.offload_policy = "never"
         self.host_cache: HostKVCache | None = None
         self.swapper: BlockSwapper | None = None
         self.host_attention: HostAttention | None = None
@@ -98,6 +100,7 @@ class ModelRunner:
         self.host_attention = HostAttention(self.host_cache, model_cfg.head_dim ** -0.5, self.device,
                                             config.cpu_attention_threads, config.engine_cpu)
         self.pipeline = PipelinedExecutor(self.host_attention, self._capture_lane_graphs())
+        self.offload_policy = config.offload_policy
 
     def _capture_lane_graphs(self) -> list[LaneGraphs] | None:
         """Segment graphs for the pipeline's two lanes; lane 0 may carry no host rows, lane 1 always does."""

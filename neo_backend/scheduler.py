@@ -33,10 +33,12 @@ HOST_SLOW = 3.0              # auto: host attention this much slower than profil
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, gpu_blocks: BlockManager, cpu_blocks: BlockManager | None = None,
-                 swapper: BlockSwapper | None = None, perf: PerfModel | None = None) -> None:
+    def __init__(self, config: EngineConfig, policy: str, gpu_blocks: BlockManager, cpu_blocks: BlockManager,
+                 swapper: BlockSwapper | None, perf: PerfModel | None) -> None:
+        """`policy`: the offload policy this engine can serve (`never` without a host pool); `perf`: None under
+        `never`."""
         self.config = config
-        self.policy = config.offload_policy if cpu_blocks is not None and cpu_blocks.num_blocks else "never"
+        self.policy = policy
         self.gpu_blocks, self.cpu_blocks = gpu_blocks, cpu_blocks
         self.swapper = swapper
         self.perf = perf

@@ -42,7 +42,7 @@ def make_scheduler(policy: str, gpu_blocks: int, cpu_blocks: int = 256, model: P
     shape = (gpu_blocks, BLOCK, 1, 4)
     host = HostKVCache(TINY, cpu_blocks, BLOCK, torch.float32)
     swapper = BlockSwapper([torch.zeros(shape)], [torch.zeros(shape)], host, torch.device("cpu"))
-    return Scheduler(config, BlockManager(gpu_blocks, BLOCK, "gpu"), BlockManager(cpu_blocks, BLOCK, "cpu"),
+    return Scheduler(config, policy, BlockManager(gpu_blocks, BLOCK, "gpu"), BlockManager(cpu_blocks, BLOCK, "cpu"),
                      swapper, model or perf())
 
 
