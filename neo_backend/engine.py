@@ -61,7 +61,7 @@ class LLMEngine:
                 self.perf_model = load_or_profile(self.runner, self.runner.host_cache,
                                                   cpu_attention.get_num_threads())
         self.scheduler = Scheduler(self.config, self.runner.offload_policy, self.gpu_blocks, self.cpu_blocks,
-                                   self.runner.swapper, self.perf_model)
+                                   self.perf_model)
         log.info("offload policy %s, pipeline %s, host KV %d blocks, CPU attention threads %d",
                  self.scheduler.policy, self.config.pipeline, self.cpu_blocks.num_blocks,
                  cpu_attention.get_num_threads())
@@ -162,7 +162,9 @@ class LLMEngine:
 
     def _step(self) -> list[RequestOutput]:
         scheduling = time.monotonic()
+        self.scheduler.swaps_landed(self.runner.land_swap_outs(wait=False))
         batch = self.scheduler.schedule()
+        self.runner.swap(batch)
         if batch.is_empty:
             return []
         now = time.monotonic()
@@ -182,7 +184,7 @@ class LLMEngine:
             return [self.fail(seq.request_id, message) for seq, _ in batch.scheduled()]
         for seq, n in batch.scheduled():
             seq.num_computed_tokens += n
-        self.scheduler.offload(batch.offload_after_step)
+        self.runner.start_swap_outs(self.scheduler.offload(batch.offload_after_step))
         self._record_iteration(batch, now, (host.seconds if host else 0.0) - host_seconds_before, now - scheduling)
         if result is None:
             return []
@@ -210,7 +212,12 @@ class LLMEngine:
         log.error("CPU attention failed (%s); offloading is off, %d CPU-requests move to the GPU",
                   exc, len(self.scheduler.cpu_running))
         self.counters.fail("cpu_kernel")
+        self._land_swap_outs()
         self.scheduler.disable_offload()
+
+    def _land_swap_outs(self) -> None:
+        """Wait for every swap-out in flight, before host blocks it writes into are freed."""
+        self.scheduler.swaps_landed(self.runner.land_swap_outs(wait=True))
 
     def generate(self, prompts: Iterable[str | list[int]], params: SamplingParams | Mapping[str, Any] | None = None
                  ) -> list[RequestOutput]:
@@ -267,6 +274,8 @@ class LLMEngine:
         return None
 
     def _finish(self, seq: Sequence, reason: str) -> RequestOutput:
+        if self.scheduler.is_swapping_out(seq):
+            self._land_swap_outs()
         self.scheduler.remove(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

@@ -1,4 +1,4 @@
-"""Owns the model and the device KV pool; turns a scheduled batch into tensors, runs it, samples."""
+"""Owns the model and the KV pools; carries out a scheduled batch's swaps, turns it into tensors, runs it, samples."""
 from __future__ import annotations
 
 import contextlib
@@ -18,7 +18,7 @@ from .layers.attention import AttentionMetadata, PrefillChunk
 from .layers.sampler import SampleResult, Sampler
 from .loader import ModelSource, load_model
 from .pipeline import PipelinedExecutor, SubBatch
-from .scheduler_output import SchedulerOutput
+from .scheduler_output import SchedulerOutput, SwapOut
 from .sequence import Sequence
 
 log = logging.getLogger("neo_backend")
@@ -80,6 +80,7 @@ class ModelRunner:
         self.offload_policy = "never"
         self.host_cache: HostKVCache | None = None
         self.swapper: BlockSwapper | None = None
+        self._swaps_in_flight: list[str] = []  # request ids, in the order their swap-outs started
         self.host_attention: HostAttention | None = None
         self.pipeline: PipelinedExecutor | None = None
         if config.offload_policy == "never":
@@ -168,6 +169,37 @@ class ModelRunner:
         log.info("memory profile: peak %.2f GiB, other %.2f GiB, KV budget %.2f GiB", peak / 2 ** 30,
                  non_torch / 2 ** 30, budget / 2 ** 30)
         return budget // self.block_bytes
+
+    # Swaps: the scheduler decides them, the runner carries them out and reports which swap-outs landed.
+
+    def swap(self, batch: SchedulerOutput) -> None:
+        """The batch's swaps, before its step and in the order the scheduler decided them: swap-ins (read from
+        the host pool now, copied up on the swap stream, which the step waits for), the landing of swap-outs in
+        flight where a preempted request's host blocks were freed, then swap-outs whose device blocks the step
+        reuses, each landed at once."""
+        for swap in batch.swap_in:
+            self.swapper.swap_in(swap.host_blocks, swap.device_blocks)
+        if batch.land_swap_outs:
+            self.land_swap_outs(wait=True)
+        for swap in batch.swap_out:
+            self.start_swap_outs([swap])
+            self.land_swap_outs(wait=True)
+
+    def start_swap_outs(self, swaps: list[SwapOut]) -> None:
+        """Start copies to the host pool that land while later steps compute (`land_swap_outs`)."""
+        for swap in swaps:
+            self.swapper.swap_out(swap.request_id, swap.device_blocks, swap.host_blocks)
+            self._swaps_in_flight.append(swap.request_id)
+
+    def land_swap_outs(self, wait: bool) -> list[str]:
+        """Finish the swap-outs in flight: all (`wait`), or those whose copy has landed. Returns their request
+        ids, in the order they started."""
+        if not self._swaps_in_flight:
+            return []
+        self.swapper.complete(wait)
+        landed = [r for r in self._swaps_in_flight if not self.swapper.in_transit(r)]
+        self._swaps_in_flight = [r for r in self._swaps_in_flight if self.swapper.in_transit(r)]
+        return landed
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> tuple[list[Sequence], SampleResult | None]:

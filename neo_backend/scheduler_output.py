@@ -1,9 +1,24 @@
-"""The scheduler's plan for one iteration: what runs where, and how."""
+"""The scheduler's plan for one iteration: what runs where, and the swaps the model runner carries out first."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from .sequence import Sequence
+
+
+@dataclass
+class SwapIn:
+    """Copy a CPU-request's host blocks up to the device blocks it now owns."""
+    host_blocks: list[int]
+    device_blocks: list[int]
+
+
+@dataclass
+class SwapOut:
+    """Copy a request's device blocks down to the host blocks it now owns."""
+    request_id: str
+    device_blocks: list[int]
+    host_blocks: list[int]
 
 
 @dataclass
@@ -13,6 +28,11 @@ class SchedulerOutput:
     cpu_decodes: list[Sequence] = field(default_factory=list)
     pipelined: bool = False
     split: int = 0                     # pipelined: cpu_decodes[:split] ride in sub-batch 0, the rest in 1
+    # The runner's order: swap-ins; then, where a preempted request's host blocks were still being copied into,
+    # every swap-out in flight lands; then the swap-outs whose device blocks this step reuses, each landed at once.
+    swap_in: list[SwapIn] = field(default_factory=list)
+    land_swap_outs: bool = False
+    swap_out: list[SwapOut] = field(default_factory=list)
     offload_after_step: list[Sequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     predicted_time: float = 0.0
