@@ -12,6 +12,7 @@ import torch
 from . import cpu_attention
 from .config import EngineConfig, ModelConfig
 from .cuda_graphs import DecodeGraphs, DecodeInputs, LaneGraphs
+from .errors import ConfigError
 from .gpu_partition import sm_partition
 from .host_kv import BlockSwapper, HostAttention, HostDecodeBatch, HostKVCache, host_available_bytes
 from .layers.attention import AttentionMetadata, PrefillChunk
@@ -31,7 +32,6 @@ def resolve_device(config: EngineConfig) -> torch.device:
     if config.device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if config.device == "cuda" and not torch.cuda.is_available():
-        from .errors import ConfigError
         raise ConfigError("device=cuda but no CUDA device is visible; use device=cpu or auto")
     return torch.device(config.device)
 
@@ -162,7 +162,6 @@ class ModelRunner:
         non_torch = total - free - torch.cuda.memory_reserved()
         budget = int(total * self.config.gpu_memory_utilization) - peak - non_torch
         if budget < self.block_bytes:
-            from .errors import ConfigError
             raise ConfigError(f"no device memory left for the KV cache (weights + activations peak "
                               f"{peak / 2**30:.1f} GiB of {total / 2**30:.1f} GiB); raise gpu_memory_utilization "
                               f"or lower max_num_batched_tokens")
