@@ -58,8 +58,7 @@ class LLMEngine:
         self.perf_model = None
         if self.runner.offload_policy != "never":
             with self.runner.device_scope():
-                self.perf_model = load_or_profile(self.runner, self.runner.host_cache,
-                                                  cpu_attention.get_num_threads())
+                self.perf_model = load_or_profile(self.runner, cpu_attention.get_num_threads())
         self.scheduler = Scheduler(self.config, self.runner.offload_policy, self.gpu_blocks, self.cpu_blocks,
                                    self.perf_model)
         log.info("offload policy %s, pipeline %s, host KV %d blocks, CPU attention threads %d",
@@ -176,7 +175,7 @@ class LLMEngine:
         try:
             sampled, result = self.runner.execute(batch)
         except KernelError as exc:
-            self._fail_over_to_gpu(batch, exc)
+            self._fail_over_to_gpu(exc)
             return []
         except Exception as exc:  # an iteration that breaks fails the requests it carried, not the server
             log.exception("iteration failed; failing its %d requests", len(batch.scheduled()))
@@ -207,7 +206,7 @@ class LLMEngine:
             log.exception("request %s failed while processing its output", seq.request_id)
             return self.fail(seq.request_id, f"output processing failed: {type(exc).__name__}: {exc}")
 
-    def _fail_over_to_gpu(self, batch: SchedulerOutput, exc: KernelError) -> None:
+    def _fail_over_to_gpu(self, exc: KernelError) -> None:
         """The CPU kernel failed: turn offloading off and recompute the CPU-requests on the GPU."""
         log.error("CPU attention failed (%s); offloading is off, %d CPU-requests move to the GPU",
                   exc, len(self.scheduler.cpu_running))
@@ -231,7 +230,8 @@ class LLMEngine:
 
     # Internals --------------------------------------------------------------------------------------------
 
-    def _record_iteration(self, batch, start: float, host_seconds: float, schedule_seconds: float) -> None:
+    def _record_iteration(self, batch: SchedulerOutput, start: float, host_seconds: float,
+                          schedule_seconds: float) -> None:
         c = self.counters
         c.prompt_tokens += batch.num_prefill_tokens
         c.gpu_decode_tokens += len(batch.gpu_decodes)

@@ -47,7 +47,6 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.cpu_running: list[Sequence] = []
-        self.iteration = 0
         self._swaps_in_flight: dict[str, list[int]] = {}  # request id -> device blocks freed once it lands
         self._swapped_in: set[str] = set()
         self._skipped: dict[str, int] = {}
@@ -95,7 +94,6 @@ class Scheduler:
         return seq.request_id in self._swaps_in_flight
 
     def schedule(self) -> SchedulerOutput:
-        self.iteration += 1
         self._swapped_in.clear()
         out = SchedulerOutput()
         if self.policy == "auto" and (not self.waiting or self.cpu_behind):
