@@ -5,7 +5,7 @@ import pytest
 
 from neo_backend import EngineConfig, SamplingParams
 from neo_backend.block_manager import BlockManager
-from neo_backend.perf_model import PerfModel
+from neo_backend.perf_model import CORRECTION_SMOOTHING, PerfModel
 from neo_backend.scheduler import CPU_BEHIND, HOST_SLOW, Scheduler
 from neo_backend.scheduler_output import SchedulerOutput
 from neo_backend.sequence import Placement, Sequence
@@ -30,6 +30,19 @@ def test_dense_time_interpolates_between_profiled_points():
     assert model.dense(32) == pytest.approx(25e-3 + 1e-3 * 31 / 63)
     assert model.dense(96) == pytest.approx(31.5e-3)
     assert model.dense(256) == pytest.approx(59e-3)
+
+
+def test_the_offload_correction_scales_predictions_and_is_taken_out_of_observations():
+    """Iterations with CPU work measured at twice the profile's time: the correction follows that ratio, not the
+    ratio to the already corrected prediction it is handed back."""
+    model = perf()
+    assert model.corrected(1.0, with_cpu_work=True) == 1.0
+    model.observe_iteration(model.corrected(1.0, with_cpu_work=True), 2.0, with_cpu_work=True)
+    first = 1.0 + CORRECTION_SMOOTHING * (2.0 - 1.0)
+    assert model.offload_slowdown == pytest.approx(first) and model.corrected(1.0, True) == pytest.approx(first)
+    model.observe_iteration(model.corrected(1.0, with_cpu_work=True), 2.0, with_cpu_work=True)
+    assert model.offload_slowdown == pytest.approx(first + CORRECTION_SMOOTHING * (2.0 - first))
+    assert model.corrected(1.0, with_cpu_work=False) == 1.0
 
 
 def make_scheduler(policy: str, gpu_blocks: int, cpu_blocks: int = 256, model: PerfModel | None = None,
