@@ -3,8 +3,9 @@
     python bench/simulate.py --setting a10g --rates 0.5 1 1.5 2 2.5 3 --policies never auto always
 
 Each iteration the engine's `Scheduler` plans as in serving; the iteration then takes the time the cost model
-gives for its mode (GPU-only, sequential or pipelined, the same formulas as `PerfModel`) plus its swaps at the
-rate the engine lands them, and every scheduled request advances. The cost model is built from a device's
+gives for its mode (GPU-only, sequential or pipelined, the same formulas as `PerfModel`) plus its planned swaps at
+the rate the engine lands them, and every scheduled request advances; the swap-outs started after a step (which
+overlap the device's work) land by the next. The cost model is built from a device's
 bandwidth and matrix rate and the host's attention bandwidth and hand-off cost (`Roofline`); the defaults of
 each setting are the H200's 8-SM partition and its 16-core host as measured (bench/RESULTS.md). A design tool
 for the policy, run in seconds on a laptop; it says nothing about the engine's own overheads, which only
@@ -21,23 +22,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
-
 from serving import Record, make_trace, paper_metric, summarize  # noqa: E402
-from neo_backend import EngineConfig, ModelConfig, SamplingParams  # noqa: E402
+from neo_backend import EngineConfig, SamplingParams  # noqa: E402
 from neo_backend.block_manager import BlockManager  # noqa: E402
-from neo_backend.host_pool import HostKVCache  # noqa: E402
 from neo_backend.perf_model import PerfModel  # noqa: E402
 from neo_backend.profiler import DENSE_PROFILE_TOKENS  # noqa: E402
-from neo_backend.scheduler import Scheduler, SchedulerOutput  # noqa: E402
+from neo_backend.scheduler import Scheduler  # noqa: E402
+from neo_backend.scheduler_output import SchedulerOutput  # noqa: E402
 from neo_backend.sequence import Sequence  # noqa: E402
-from neo_backend.swapper import BlockSwapper  # noqa: E402
 
 BLOCK_SIZE = 16
 SWAP_BYTES_PER_S = 6e9    # a swap as the scheduler waits for it: measured ~90 ms per 552 MB request (device to
                           # host copy, then the scatter into the host pool), setting (e) on the H200
-_TINY = ModelConfig(vocab_size=8, hidden_size=4, intermediate_size=4, num_layers=1, num_heads=1, num_kv_heads=1,
-                    head_dim=4)
 
 
 @dataclass
@@ -77,7 +73,7 @@ def setting(name: str, sm8_bw: float = 637e9, sm8_flops: float = 55e12, host_bw:
 
 
 def iteration_time(perf: PerfModel, out: SchedulerOutput) -> float:
-    tokens, ctx = Scheduler._gpu_work(out)
+    tokens, ctx = out.gpu_work()
     cpu = [len(s.token_ids) for s in out.cpu_decodes]
     if out.pipelined:
         split = out.split
@@ -90,15 +86,12 @@ def simulate(policy: str, roof: Roofline, gpu_blocks: int, cpu_gb: float, trace,
     block_bytes = roof.kv_bytes_per_token * BLOCK_SIZE
     cpu_blocks = int(cpu_gb * 2 ** 30 // block_bytes) if policy != "never" else 0
     perf = roof.perf_model()
-    shape = (gpu_blocks, BLOCK_SIZE, 1, 4)
-    host = HostKVCache(_TINY, max(cpu_blocks, 1), BLOCK_SIZE, torch.float32)
-    swapper = BlockSwapper([torch.zeros(shape)], [torch.zeros(shape)], host, torch.device("cpu"))
-    sched = Scheduler(config, BlockManager(gpu_blocks, BLOCK_SIZE, "gpu"), BlockManager(cpu_blocks, BLOCK_SIZE, "cpu"),
-                      swapper, perf)
+    gpu_pool, cpu_pool = BlockManager(gpu_blocks, BLOCK_SIZE, "gpu"), BlockManager(cpu_blocks, BLOCK_SIZE, "cpu")
+    sched = Scheduler(config, policy, gpu_pool, cpu_pool, perf)
     records = [Record(offset) for offset, _, _ in trace]
     seqs = [Sequence(f"r{i}", None, prompt, SamplingParams(max_tokens=out, ignore_eos=True), arrival_time=offset)
             for i, (offset, prompt, out) in enumerate(trace)]
-    clock, next_arrival, live = 0.0, 0, {}
+    clock, next_arrival, live, in_flight = 0.0, 0, {}, []
     stats = {"iterations": 0, "gpu_decode_rows": 0, "cpu_decode_rows": 0, "modes": {}}
     while next_arrival < len(seqs) or live:
         while next_arrival < len(seqs) and seqs[next_arrival].arrival_time <= clock:
@@ -106,12 +99,13 @@ def simulate(policy: str, roof: Roofline, gpu_blocks: int, cpu_gb: float, trace,
             sched.add(seq)
             live[seq.request_id] = next_arrival
             next_arrival += 1
-        swapped = sched.swap_out_blocks + sched.swap_in_blocks
+        sched.swaps_landed(in_flight)
+        in_flight = []
         out = sched.schedule()
         if out.is_empty:
             clock = seqs[next_arrival].arrival_time if next_arrival < len(seqs) else clock + 1e-3
             continue
-        swapped = sched.swap_out_blocks + sched.swap_in_blocks - swapped
+        swapped = sum(len(swap.device_blocks) for swap in out.swap_in + out.swap_out)
         clock += iteration_time(perf, out) + swapped * block_bytes / SWAP_BYTES_PER_S
         stats["iterations"] += 1
         stats["gpu_decode_rows"] += len(out.gpu_decodes)
@@ -130,7 +124,8 @@ def simulate(policy: str, roof: Roofline, gpu_blocks: int, cpu_gb: float, trace,
                 rec.end = clock
                 sched.remove(seq)
                 del live[seq.request_id]
-        sched.offload([s for s in out.offload_after_step if s.request_id in live])
+        offloads = sched.offload([s for s in out.offload_after_step if s.request_id in live])
+        in_flight = [swap.request_id for swap in offloads]
     stats.update(preemptions=sched.num_preemptions, swap_out_blocks=sched.swap_out_blocks,
                  swap_in_blocks=sched.swap_in_blocks)
     return records, stats

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 from collections import deque
 
+from .errors import SchedulerError
 from .sequence import Sequence
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, name: str = "gpu") -> None:
+    def __init__(self, num_blocks: int, block_size: int, name: str) -> None:
         self.name = name
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -28,21 +29,18 @@ class BlockManager:
         """Blocks `seq` must gain so its table covers `num_tokens` slots."""
         return max(0, self.blocks_needed(num_tokens) - len(seq.block_table))
 
-    def can_grow(self, seq: Sequence, num_tokens: int, reserve: int = 0) -> bool:
-        return self.extra_blocks_for(seq, num_tokens) + reserve <= len(self._free)
+    def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
+        return self.extra_blocks_for(seq, num_tokens) <= len(self._free)
 
-    def grow(self, seq: Sequence, num_tokens: int) -> list[int]:
-        """Extend `seq`'s block table to cover `num_tokens` slots; returns the new blocks."""
-        extra = self.extra_blocks_for(seq, num_tokens)
-        if extra > len(self._free):
-            raise RuntimeError(f"{self.name} pool: {extra} blocks needed, {len(self._free)} free")
-        new = [self._free.popleft() for _ in range(extra)]
-        seq.block_table.extend(new)
-        return new
+    def grow(self, seq: Sequence, num_tokens: int) -> None:
+        """Extend `seq`'s block table to cover `num_tokens` slots."""
+        seq.block_table.extend(self.allocate(self.extra_blocks_for(seq, num_tokens)))
 
     def allocate(self, num_blocks: int) -> list[int]:
         if num_blocks > len(self._free):
-            raise RuntimeError(f"{self.name} pool: {num_blocks} blocks needed, {len(self._free)} free")
+            raise SchedulerError(f"{self.name} KV pool: {num_blocks} blocks asked for, {len(self._free)} free; the "
+                                 f"scheduler checks room before it allocates, so this is an engine bug: please "
+                                 f"report it with the log")
         return [self._free.popleft() for _ in range(num_blocks)]
 
     def release(self, blocks: list[int]) -> None:

@@ -16,7 +16,8 @@ from .outputs import RequestMetrics, RequestOutput
 from .profiler import load_or_profile
 from .sampling_params import SamplingParams
 from .layers.sampler import SampleResult
-from .scheduler import Scheduler, SchedulerOutput
+from .scheduler import Scheduler
+from .scheduler_output import SchedulerOutput
 from .sequence import Sequence, SequenceStatus
 from .tokenizer import IncrementalDetokenizer
 
@@ -54,11 +55,10 @@ class LLMEngine:
         self.gpu_blocks = BlockManager(self.runner.num_gpu_blocks, self.config.block_size, "gpu")
         self.cpu_blocks = BlockManager(self.runner.num_cpu_blocks, self.config.block_size, "cpu")
         self.perf_model = None
-        if self.runner.host_cache is not None:
+        if self.runner.offload_policy != "never":
             with self.runner.device_scope():
-                self.perf_model = load_or_profile(self.runner, self.runner.host_cache,
-                                                  self.runner.host_attention.num_threads)
-        self.scheduler = Scheduler(self.config, self.gpu_blocks, self.cpu_blocks, self.runner.swapper,
+                self.perf_model = load_or_profile(self.runner)
+        self.scheduler = Scheduler(self.config, self.runner.offload_policy, self.gpu_blocks, self.cpu_blocks,
                                    self.perf_model)
         log.info("offload policy %s, pipeline %s, host KV %d blocks, CPU attention threads %d",
                  self.scheduler.policy, self.config.pipeline, self.cpu_blocks.num_blocks,
@@ -117,7 +117,7 @@ class LLMEngine:
             raise ConfigError(f"offload_policy={policy!r} is not one of {', '.join(OFFLOAD_POLICIES)}")
         if self.has_unfinished_requests():
             raise ConfigError("the offload policy can change only while no request is in flight")
-        if policy != "never" and not self.cpu_blocks.num_blocks:
+        if policy != "never" and self.runner.offload_policy == "never":
             raise ConfigError(f"offload_policy={policy} needs the host KV pool, which this engine (built under "
                               f"offload_policy={self.config.offload_policy}) does not have")
         self.scheduler.policy = policy
@@ -160,7 +160,9 @@ class LLMEngine:
 
     def _step(self) -> list[RequestOutput]:
         scheduling = time.monotonic()
+        self.scheduler.swaps_landed(self.runner.land_swap_outs(wait=False))
         batch = self.scheduler.schedule()
+        self.runner.swap(batch)
         if batch.is_empty:
             return []
         now = time.monotonic()
@@ -172,7 +174,7 @@ class LLMEngine:
         try:
             sampled, result = self.runner.execute(batch)
         except KernelError as exc:
-            self._fail_over_to_gpu(batch, exc)
+            self._fail_over_to_gpu(exc)
             return []
         except Exception as exc:  # an iteration that breaks fails the requests it carried, not the server
             log.exception("iteration failed; failing its %d requests", len(batch.scheduled()))
@@ -180,7 +182,7 @@ class LLMEngine:
             return [self.fail(seq.request_id, message) for seq, _ in batch.scheduled()]
         for seq, n in batch.scheduled():
             seq.num_computed_tokens += n
-        self.scheduler.offload(batch.offload_after_step)
+        self.runner.start_swap_outs(self.scheduler.offload(batch.offload_after_step))
         self._record_iteration(batch, now, (host.seconds if host else 0.0) - host_seconds_before, now - scheduling)
         if result is None:
             return []
@@ -203,12 +205,17 @@ class LLMEngine:
             log.exception("request %s failed while processing its output", seq.request_id)
             return self.fail(seq.request_id, f"output processing failed: {type(exc).__name__}: {exc}")
 
-    def _fail_over_to_gpu(self, batch: SchedulerOutput, exc: KernelError) -> None:
+    def _fail_over_to_gpu(self, exc: KernelError) -> None:
         """The CPU kernel failed: turn offloading off and recompute the CPU-requests on the GPU."""
         log.error("CPU attention failed (%s); offloading is off, %d CPU-requests move to the GPU",
                   exc, len(self.scheduler.cpu_running))
         self.counters.fail("cpu_kernel")
+        self._land_swap_outs()
         self.scheduler.disable_offload()
+
+    def _land_swap_outs(self) -> None:
+        """Wait for every swap-out in flight, before host blocks it writes into are freed."""
+        self.scheduler.swaps_landed(self.runner.land_swap_outs(wait=True))
 
     def generate(self, prompts: Iterable[str | list[int]], params: SamplingParams | Mapping[str, Any] | None = None
                  ) -> list[RequestOutput]:
@@ -222,7 +229,8 @@ class LLMEngine:
 
     # Internals --------------------------------------------------------------------------------------------
 
-    def _record_iteration(self, batch, start: float, host_seconds: float, schedule_seconds: float) -> None:
+    def _record_iteration(self, batch: SchedulerOutput, start: float, host_seconds: float,
+                          schedule_seconds: float) -> None:
         c = self.counters
         c.prompt_tokens += batch.num_prefill_tokens
         c.gpu_decode_tokens += len(batch.gpu_decodes)
@@ -230,9 +238,7 @@ class LLMEngine:
         c.modes[batch.mode] = c.modes.get(batch.mode, 0) + 1
         measured = time.monotonic() - start
         if self.perf_model is not None:
-            self.perf_model.observe_iteration(batch.predicted_time / (self.perf_model.offload_slowdown
-                                                                     if batch.cpu_decodes else 1.0),
-                                              measured, bool(batch.cpu_decodes))
+            self.perf_model.observe_iteration(batch.predicted_time, measured, bool(batch.cpu_decodes))
             if batch.cpu_decodes:
                 self.perf_model.observe_cpu(batch.predicted_cpu_time, host_seconds)
         c.last_iteration = {
@@ -267,6 +273,8 @@ class LLMEngine:
         return None
 
     def _finish(self, seq: Sequence, reason: str) -> RequestOutput:
+        if self.scheduler.is_swapping_out(seq):
+            self._land_swap_outs()
         self.scheduler.remove(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

@@ -25,6 +25,10 @@ class EngineDeadError(NeoError):
     """The engine loop stopped; no request can make progress."""
 
 
+class SchedulerError(NeoError):
+    """The scheduler broke its own block accounting: an engine bug, not a fault of the request or the config."""
+
+
 class KernelError(NeoError):
     """The CPU attention library failed to build, load or run."""
 

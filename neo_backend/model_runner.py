@@ -1,4 +1,4 @@
-"""Owns the model and the device KV pool; turns a scheduled batch into tensors, runs it, samples."""
+"""Owns the model and the KV pools; carries out a scheduled batch's swaps, turns it into tensors, runs it, samples."""
 from __future__ import annotations
 
 import contextlib
@@ -13,13 +13,14 @@ from .config import EngineConfig, ModelConfig
 from .cpu.abi import SUPPORTED_HEAD_DIMS
 from .cpu.host_attention import HostAttention, HostDecodeBatch
 from .cuda_graphs import DecodeGraphs, DecodeInputs, LaneGraphs
+from .errors import ConfigError
 from .gpu_partition import sm_partition
 from .host_pool import HostKVCache, host_available_bytes
 from .layers.attention import AttentionMetadata, PrefillChunk
 from .layers.sampler import SampleResult, Sampler
 from .loader import ModelSource, load_model
 from .pipeline import PipelinedExecutor, SubBatch
-from .scheduler import SchedulerOutput
+from .scheduler_output import SchedulerOutput, SwapOut
 from .sequence import Sequence
 from .swapper import BlockSwapper
 
@@ -33,7 +34,6 @@ def resolve_device(config: EngineConfig) -> torch.device:
     if config.device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if config.device == "cuda" and not torch.cuda.is_available():
-        from .errors import ConfigError
         raise ConfigError("device=cuda but no CUDA device is visible; use device=cpu or auto")
     return torch.device(config.device)
 
@@ -77,9 +77,12 @@ class ModelRunner:
                             scratch_block=self.num_gpu_blocks, block_size=self.block_size)
 
     def _init_offload(self, config: EngineConfig, model_cfg: ModelConfig) -> None:
-        """The host side of NEO: host KV pool, swapper, CPU attention and the pipelined executor."""
+        """The host side of NEO: host KV pool, swapper, CPU attention and the pipelined executor. Without it
+        the engine serves `offload_policy` never, whatever was asked (`offload_policy` holds what it serves)."""
+        self.offload_policy = "never"
         self.host_cache: HostKVCache | None = None
         self.swapper: BlockSwapper | None = None
+        self._swaps_in_flight: list[str] = []  # request ids, in the order their swap-outs started
         self.host_attention: HostAttention | None = None
         self.pipeline: PipelinedExecutor | None = None
         if config.offload_policy == "never":
@@ -100,6 +103,7 @@ class ModelRunner:
         self.host_attention = HostAttention(self.host_cache, model_cfg.head_dim ** -0.5, self.device,
                                             config.cpu_attention_threads, config.engine_cpu)
         self.pipeline = PipelinedExecutor(self.host_attention, self._capture_lane_graphs())
+        self.offload_policy = config.offload_policy
 
     def _capture_lane_graphs(self) -> list[LaneGraphs] | None:
         """Segment graphs for the pipeline's two lanes; lane 0 may carry no host rows, lane 1 always does."""
@@ -160,13 +164,43 @@ class ModelRunner:
         non_torch = total - free - torch.cuda.memory_reserved()
         budget = int(total * self.config.gpu_memory_utilization) - peak - non_torch
         if budget < self.block_bytes:
-            from .errors import ConfigError
             raise ConfigError(f"no device memory left for the KV cache (weights + activations peak "
                               f"{peak / 2**30:.1f} GiB of {total / 2**30:.1f} GiB); raise gpu_memory_utilization "
                               f"or lower max_num_batched_tokens")
         log.info("memory profile: peak %.2f GiB, other %.2f GiB, KV budget %.2f GiB", peak / 2 ** 30,
                  non_torch / 2 ** 30, budget / 2 ** 30)
         return budget // self.block_bytes
+
+    # Swaps: the scheduler decides them, the runner carries them out and reports which swap-outs landed.
+
+    def swap(self, batch: SchedulerOutput) -> None:
+        """The batch's swaps, before its step and in the order the scheduler decided them: swap-ins (read from
+        the host pool now, copied up on the swap stream, which the step waits for), the landing of swap-outs in
+        flight where a preempted request's host blocks were freed, then swap-outs whose device blocks the step
+        reuses, each landed at once."""
+        for swap in batch.swap_in:
+            self.swapper.swap_in(swap.host_blocks, swap.device_blocks)
+        if batch.land_swap_outs:
+            self.land_swap_outs(wait=True)
+        for swap in batch.swap_out:
+            self.start_swap_outs([swap])
+            self.land_swap_outs(wait=True)
+
+    def start_swap_outs(self, swaps: list[SwapOut]) -> None:
+        """Start copies to the host pool that land while later steps compute (`land_swap_outs`)."""
+        for swap in swaps:
+            self.swapper.swap_out(swap.request_id, swap.device_blocks, swap.host_blocks)
+            self._swaps_in_flight.append(swap.request_id)
+
+    def land_swap_outs(self, wait: bool) -> list[str]:
+        """Finish the swap-outs in flight: all (`wait`), or those whose copy has landed. Returns their request
+        ids, in the order they started."""
+        if not self._swaps_in_flight:
+            return []
+        self.swapper.complete(wait)
+        landed = [r for r in self._swaps_in_flight if not self.swapper.in_transit(r)]
+        self._swaps_in_flight = [r for r in self._swaps_in_flight if self.swapper.in_transit(r)]
+        return landed
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> tuple[list[Sequence], SampleResult | None]:

@@ -6,7 +6,8 @@ fits both a decode batch and a prefill chunk on a small GPU), device decode atte
 host decode attention by requests and context tokens.
 The host term is scaled by `cpu_correction`, an exponential average of measured over predicted host time,
 so CPU contention from other processes makes the scheduler hand the CPU less work (the fail-safe); whole
-iterations are watched too, and `offload_slowdown` scales every prediction that involves CPU work.
+iterations are watched too, and `offload_slowdown` scales every prediction that involves CPU work (`corrected`,
+taken back out where such a prediction is compared with its measurement, `observe_iteration`).
 """
 from __future__ import annotations
 
@@ -72,6 +73,10 @@ class PerfModel:
         kernel timings miss (transfers, synchronisation, launch gaps, a busy host)."""
         return 1.0 if self.offload_ratio is None else self.offload_ratio / self.gpu_only_ratio
 
+    def corrected(self, predicted: float, with_cpu_work: bool) -> float:
+        """An iteration's predicted time as serving has measured such iterations to run."""
+        return predicted * self.offload_slowdown if with_cpu_work else predicted
+
     def reset_observations(self) -> None:
         """Back to the profile: what serving measured so far is forgotten."""
         self.cpu_correction, self.gpu_only_ratio, self.offload_ratio = 1.0, 1.0, None
@@ -83,6 +88,9 @@ class PerfModel:
         self.cpu_correction += CORRECTION_SMOOTHING * (ratio - self.cpu_correction)
 
     def observe_iteration(self, predicted: float, measured: float, with_cpu_work: bool) -> None:
+        """`predicted`: as `corrected` gave it; the ratios compare the measurement with the profile's own time."""
+        if with_cpu_work:
+            predicted /= self.offload_slowdown
         if predicted <= 0 or measured <= 0:
             return
         ratio = measured / predicted

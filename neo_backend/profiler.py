@@ -20,10 +20,10 @@ CPU_DEVICE_MAX_PROFILE_TOKENS = 256  # the torch-on-CPU "device" of tests is slo
 DENSE_PROFILE_TOKENS = (1, 8, 16, 32, 64, 128, 256, 512, 1024)  # and the iteration's token budget
 
 
-def load_or_profile(runner, host_cache, threads: int) -> PerfModel:
+def load_or_profile(runner) -> PerfModel:
     cfg = runner.model_cfg
     device_name = torch.cuda.get_device_name(runner.device) if runner.device.type == "cuda" else "cpu"
-    key_fields = {"model": asdict(cfg), "dtype": str(runner.dtype), "device": device_name, "threads": threads,
+    key_fields = {"model": asdict(cfg), "dtype": str(runner.dtype), "device": device_name, "threads": runner.host_attention.num_threads,
                   "block_size": runner.block_size, "max_tokens": runner.config.max_num_batched_tokens,
                   "isa": library.active_isa(runner.host_attention.kernels.lib),
                   "cuda_graphs": runner.decode_graphs is not None, "gpu_sm_count": runner.config.gpu_sm_count,
@@ -34,7 +34,7 @@ def load_or_profile(runner, host_cache, threads: int) -> PerfModel:
     if cached is not None:
         log.info("performance model loaded from %s", path)
         return cached
-    model = _profile(runner, host_cache)
+    model = _profile(runner)
     save(model, path)
     log.info("performance model saved to %s: %s", path, model)
     return model
@@ -45,7 +45,7 @@ def _sync_fn(device: torch.device):
 
 
 @torch.inference_mode()
-def _profile(runner, host_cache) -> PerfModel:
+def _profile(runner) -> PerfModel:
     sync = _sync_fn(runner.device)
     cfg, bs = runner.model_cfg, runner.block_size
     max_tokens = min(runner.config.max_num_batched_tokens, runner.num_gpu_blocks * bs)
@@ -61,7 +61,7 @@ def _profile(runner, host_cache) -> PerfModel:
     log.info("profiling device decode attention")
     gpu_per_token = _gpu_attention_per_token(runner, sync) * cfg.num_layers
     log.info("profiling host decode attention (%d threads)", runner.host_attention.num_threads)
-    cpu_fixed, cpu_per_req, cpu_per_tok = _cpu_attention_fit(runner, host_cache)
+    cpu_fixed, cpu_per_req, cpu_per_tok = _cpu_attention_fit(runner)
     return PerfModel(token_counts, dense_times, gpu_per_token, cpu_fixed, cpu_per_req, cpu_per_tok)
 
 
@@ -100,12 +100,13 @@ def _gpu_attention_per_token(runner, sync) -> float:
     return slope if slope > 0 else large_t / large_tokens
 
 
-def _cpu_attention_fit(runner, host_cache) -> tuple[float, float, float]:
+def _cpu_attention_fit(runner) -> tuple[float, float, float]:
     """Host attention of one iteration (append + attention in every layer, as `HostAttention.run` does), fitted
     by requests and context tokens. Each layer reads its own cache, so the reads come from DRAM as in serving;
     timing one layer over and over would measure the last-level cache (300 MiB on the H200's host)."""
     cfg, bs = runner.model_cfg, runner.block_size
-    host, dtype = runner.host_attention, host_cache.k_caches[0].dtype
+    host_cache, host = runner.host_cache, runner.host_attention
+    dtype = host_cache.k_caches[0].dtype
     rows, times = [], []
     for batch, context in ((1, 256), (4, 1024), (8, 1024), (16, 512), (32, 1024)):
         context = max(bs, min(context, host_cache.num_blocks * bs // batch))  # a small pool: shorter contexts

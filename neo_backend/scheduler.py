@@ -14,17 +14,20 @@ Three queues: `waiting` (prefill), `running` (KV on the device: prefill chunks a
    time times `cpu_latency_slack`) and the mode, sequential or the two-sub-batch pipeline, by predicted tokens/s.
 Under `auto` a request moves to the host only where the model predicts more tokens/s with it there (NEO's
 objective); otherwise the next prompt waits, or the request is preempted by recompute.
+
+The scheduler moves no data: its plan (`SchedulerOutput`) lists the swaps, which the model runner carries out
+before the step. A swap-out started after a step (a finished prefill going to the host) is in flight until the
+runner reports it landed (`swaps_landed`): only then are its device blocks free and may the request decode.
 """
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .perf_model import PerfModel
+from .scheduler_output import SchedulerOutput, SwapIn, SwapOut
 from .sequence import Placement, Sequence, SequenceStatus
-from .swapper import BlockSwapper
 
 MAX_SKIPPED_ITERATIONS = 4   # auto: a CPU-request left out this many iterations in a row runs regardless
 GPU_WATERMARK = 0.05         # auto: keep this fraction of device blocks free before offloading new requests
@@ -32,48 +35,19 @@ CPU_BEHIND = 1.5             # auto: measured/predicted host time above this sto
 HOST_SLOW = 3.0              # auto: host attention this much slower than profiled sends CPU-requests back
 
 
-@dataclass
-class SchedulerOutput:
-    prefills: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens in this chunk)
-    gpu_decodes: list[Sequence] = field(default_factory=list)
-    cpu_decodes: list[Sequence] = field(default_factory=list)
-    pipelined: bool = False
-    split: int = 0                     # pipelined: cpu_decodes[:split] ride in sub-batch 0, the rest in 1
-    offload_after_step: list[Sequence] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-    predicted_time: float = 0.0
-    predicted_cpu_time: float = 0.0
-
-    @property
-    def is_empty(self) -> bool:
-        return not (self.prefills or self.gpu_decodes or self.cpu_decodes)
-
-    @property
-    def num_prefill_tokens(self) -> int:
-        return sum(n for _, n in self.prefills)
-
-    @property
-    def mode(self) -> str:
-        if not self.cpu_decodes:
-            return "gpu_only"
-        return "pipelined" if self.pipelined else "sequential"
-
-    def scheduled(self) -> list[tuple[Sequence, int]]:
-        return self.prefills + [(s, 1) for s in self.gpu_decodes + self.cpu_decodes]
-
-
 class Scheduler:
-    def __init__(self, config: EngineConfig, gpu_blocks: BlockManager, cpu_blocks: BlockManager | None = None,
-                 swapper: BlockSwapper | None = None, perf: PerfModel | None = None) -> None:
+    def __init__(self, config: EngineConfig, policy: str, gpu_blocks: BlockManager, cpu_blocks: BlockManager,
+                 perf: PerfModel | None) -> None:
+        """`policy`: the offload policy this engine can serve (`never` without a host pool); `perf`: None under
+        `never`."""
         self.config = config
-        self.policy = config.offload_policy if cpu_blocks is not None and cpu_blocks.num_blocks else "never"
+        self.policy = policy
         self.gpu_blocks, self.cpu_blocks = gpu_blocks, cpu_blocks
-        self.swapper = swapper
         self.perf = perf
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.cpu_running: list[Sequence] = []
-        self.iteration = 0
+        self._swaps_in_flight: dict[str, list[int]] = {}  # request id -> device blocks freed once it lands
         self._swapped_in: set[str] = set()
         self._skipped: dict[str, int] = {}
         self.num_preemptions = 0
@@ -94,9 +68,9 @@ class Scheduler:
         self.waiting.append(seq)
 
     def remove(self, seq: Sequence) -> None:
-        """Take a finished or aborted request out and return its blocks."""
+        """Take a finished or aborted request out and return its blocks. A swap-out of it in flight must have
+        landed first (`is_swapping_out`): its copy would write host blocks that are no longer its own."""
         self._skipped.pop(seq.request_id, None)
-        self._land(seq)
         for queue in (self.running, self.cpu_running, self.waiting):
             if seq in queue:
                 queue.remove(seq)
@@ -104,74 +78,65 @@ class Scheduler:
         self._pool(seq).free(seq)
 
     def disable_offload(self) -> None:
-        """Fail-over after a CPU kernel error: no more offloading; CPU-requests are recomputed on the GPU."""
+        """Fail-over after a CPU kernel error: no more offloading; CPU-requests are recomputed on the GPU. Every
+        swap-out in flight must have landed first."""
         self.policy = "never"
-        self.complete_swaps()
         self._recompute_cpu_requests(SchedulerOutput())
 
-    def complete_swaps(self, wait: bool = True) -> None:
-        """Finish started swap-outs (all, or with `wait=False` those whose copy has landed); their device
-        blocks become free."""
-        if self.swapper is not None:
-            self.gpu_blocks.release(self.swapper.complete(wait))
+    def swaps_landed(self, request_ids: list[str]) -> None:
+        """The runner's report: these swap-outs have landed in the host pool, so their device blocks are free and
+        their requests may decode on the CPU."""
+        for request_id in request_ids:
+            self.gpu_blocks.release(self._swaps_in_flight.pop(request_id))
 
-    def _in_transit(self, seq: Sequence) -> bool:
+    def is_swapping_out(self, seq: Sequence) -> bool:
         """A request whose swap-out to the host pool is still copying: it cannot decode or move yet."""
-        return self.swapper is not None and self.swapper.in_transit(seq.request_id)
-
-    def _land(self, seq: Sequence) -> None:
-        """Before a request's host blocks are freed or read, its swap-out (if any) must have landed."""
-        if self._in_transit(seq):
-            self.complete_swaps()
+        return seq.request_id in self._swaps_in_flight
 
     def schedule(self) -> SchedulerOutput:
-        self.iteration += 1
         self._swapped_in.clear()
-        self.complete_swaps(wait=False)
         out = SchedulerOutput()
         if self.policy == "auto" and (not self.waiting or self.cpu_behind):
-            self._swap_in()
+            self._swap_in(out)
         if self.policy == "auto" and self.host_slow:
             self._recompute_cpu_requests(out)
         if self.policy != "never":
-            self._make_room_for_admission()
+            self._make_room_for_admission(out)
         budget = self._schedule_gpu_running(out, self.config.max_num_batched_tokens)
         cpu_ready = self._grow_cpu_running(out)
         if not out.preempted:
             self._admit(out, budget)
         if self.perf is not None:
-            out.predicted_time = self.perf.sequential(*self._gpu_work(out), 0, 0)
+            out.predicted_time = self.perf.sequential(*out.gpu_work(), 0, 0)
         self._plan_cpu_decodes(out, cpu_ready)
         self._place_finished_prefills(out)
         return out
 
-    @staticmethod
-    def _gpu_work(out: SchedulerOutput) -> tuple[int, int]:
-        """(tokens, context tokens) of the iteration's device part."""
-        tokens = out.num_prefill_tokens + len(out.gpu_decodes)
-        ctx = sum(len(s.token_ids) for s in out.gpu_decodes) + sum(s.num_computed_tokens + n for s, n in out.prefills)
-        return tokens, ctx
-
-    def offload(self, seqs: list[Sequence]) -> None:
-        """Start moving freshly prefilled requests to the host pool (after the step that prefilled them)."""
+    def offload(self, seqs: list[Sequence]) -> list[SwapOut]:
+        """Move freshly prefilled requests to the host pool after the step that prefilled them; returns the
+        swap-outs for the runner to start, in flight until it reports them landed."""
+        swaps = []
         for seq in seqs:
             if not seq.finished and seq in self.running:
-                self._swap_out(seq, complete=False)
+                swap = self._swap_out(seq)
+                if swap is not None:
+                    swaps.append(swap)
+        return swaps
 
     # Steps ------------------------------------------------------------------------------------------------
 
-    def _swap_in(self) -> None:
+    def _swap_in(self, out: SchedulerOutput) -> None:
         """Bring CPU-requests back while the device keeps headroom: the watermark, and one block of growth
         per GPU request (so the next shortage does not swap the same request straight out again)."""
         for seq in list(self.cpu_running):
-            if self._in_transit(seq):
+            if self.is_swapping_out(seq):
                 continue
             reserve = max(int(GPU_WATERMARK * self.gpu_blocks.num_blocks), len(self.running) + 1)
             need = self.gpu_blocks.blocks_needed(len(seq.token_ids) + 1)
             if len(self.running) + 1 > self.config.max_num_seqs or need + reserve > self.gpu_blocks.num_free_blocks:
                 return
             gpu = self.gpu_blocks.allocate(len(seq.block_table))
-            self.swapper.swap_in(seq.block_table, gpu)
+            out.swap_in.append(SwapIn(seq.block_table, list(gpu)))  # a copy: the table grows before the swap runs
             self.swap_in_blocks += len(gpu)
             self.cpu_blocks.release(seq.block_table)
             seq.block_table = gpu
@@ -187,14 +152,14 @@ class Scheduler:
         for seq in list(reversed(self.cpu_running)):
             self._preempt(seq, out)
 
-    def _make_room_for_admission(self) -> None:
+    def _make_room_for_admission(self, out: SchedulerOutput) -> None:
         if not self.waiting:
             return
         head = self.waiting[0]
         need = self.gpu_blocks.blocks_needed(min(head.num_uncomputed_tokens, self.config.max_num_batched_tokens))
         while self.gpu_blocks.num_free_blocks < need:
             victim = self._newest_swappable()
-            if victim is None or not self._swap_out(victim, complete=True):
+            if victim is None or not self._swap_out_now(victim, out):
                 return
 
     def _schedule_gpu_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -214,7 +179,7 @@ class Scheduler:
         while not self.gpu_blocks.can_grow(seq, num_tokens):
             victim = self.running[-1]
             if not (victim.is_decode and victim.request_id not in self._swapped_in and
-                    self._swap_out(victim, complete=True)):
+                    self._swap_out_now(victim, out)):
                 self._preempt(victim, out)
             if victim is seq:
                 return False
@@ -224,7 +189,7 @@ class Scheduler:
     def _grow_cpu_running(self, out: SchedulerOutput) -> list[Sequence]:
         ready = []
         for seq in list(self.cpu_running):
-            if seq not in self.cpu_running or self._in_transit(seq):
+            if seq not in self.cpu_running or self.is_swapping_out(seq):
                 continue  # preempted below to make room for an older one, or still copying to the host
             while not self.cpu_blocks.can_grow(seq, len(seq.token_ids)):
                 victim = self.cpu_running[-1]
@@ -259,7 +224,7 @@ class Scheduler:
         """
         if not ready:
             return
-        gpu_tokens, gpu_ctx = self._gpu_work(out)
+        gpu_tokens, gpu_ctx = out.gpu_work()
         gpu_alone = self.perf.sequential(gpu_tokens, gpu_ctx, 0, 0)
         bound = gpu_alone * self.config.cpu_latency_slack if self.policy == "auto" and gpu_tokens else float("inf")
         ready = sorted(ready, key=lambda s: -self._skipped.get(s.request_id, 0))
@@ -281,7 +246,7 @@ class Scheduler:
     def best_mode(self, gpu_tokens: int, gpu_ctx: int, ctx: list[int]) -> tuple[float, bool, int]:
         """(predicted time, pipelined?, split) with the best tokens/s for these CPU decodes."""
         time, pipelined, split = self._best_mode_uncorrected(gpu_tokens, gpu_ctx, ctx)
-        return (time * self.perf.offload_slowdown if ctx else time), pipelined, split
+        return self.perf.corrected(time, bool(ctx)), pipelined, split
 
     def _best_mode_uncorrected(self, gpu_tokens: int, gpu_ctx: int, ctx: list[int]) -> tuple[float, bool, int]:
         n = len(ctx)
@@ -320,22 +285,36 @@ class Scheduler:
                 return seq
         return None
 
-    def _swap_out(self, seq: Sequence, complete: bool) -> bool:
-        """Move `seq`'s KV to the host pool; False if the policy or the host pool does not allow it."""
+    def _swap_out(self, seq: Sequence) -> SwapOut | None:
+        """Move `seq` to the host pool, its swap-out in flight; None if the policy or the host pool does not
+        allow it."""
         if self.policy == "never" or not self.cpu_blocks.num_free_blocks >= len(seq.block_table) + 1:
-            return False
+            return None
         if self.policy == "auto" and not self._cpu_can_take(seq):
-            return False
+            return None
         cpu = self.cpu_blocks.allocate(len(seq.block_table))
-        self.swapper.swap_out(seq.request_id, seq.block_table, cpu)
+        swap = SwapOut(seq.request_id, seq.block_table, list(cpu))  # a copy: the table grows before the swap runs
+        self._swaps_in_flight[seq.request_id] = seq.block_table
         self.swap_out_blocks += len(cpu)
         seq.block_table = cpu
         seq.placement = Placement.CPU
         self.running.remove(seq)
         self.cpu_running.append(seq)
-        if complete:
-            self.complete_swaps()
+        return swap
+
+    def _swap_out_now(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        """Swap `seq` out for its device blocks, which this step reuses: the runner lands it (and every swap-out
+        in flight before it) at once."""
+        swap = self._swap_out(seq)
+        if swap is None:
+            return False
+        out.swap_out.append(swap)
+        self._land_swap_outs()
         return True
+
+    def _land_swap_outs(self) -> None:
+        """Every swap-out in flight lands (the runner waits for it): its device blocks are free."""
+        self.swaps_landed(list(self._swaps_in_flight))
 
     def _cpu_can_take(self, seq: Sequence) -> bool:
         """Whether moving `seq` to the host pays, by NEO's objective: beside the device's decodes, an iteration with
@@ -355,7 +334,9 @@ class Scheduler:
         return with_cpu <= alone * self.config.cpu_latency_slack and more_tokens_per_s
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
-        self._land(seq)
+        if self.is_swapping_out(seq):  # its host blocks are freed below: the copy into them lands first
+            self._land_swap_outs()
+            out.land_swap_outs = True
         (self.running if seq in self.running else self.cpu_running).remove(seq)
         self._pool(seq).free(seq)
         seq.reset_for_recompute()

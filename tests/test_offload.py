@@ -118,6 +118,39 @@ def test_auto_backs_off_when_cpu_attention_is_slowed(tiny_model_dirs, workload, 
     assert stats["gpu_blocks_used"] == 0 and stats["cpu_blocks_used"] == 0
 
 
+class _CopyEvent:
+    """Stands in for the swap stream's CUDA event: the copy lands when the test says so."""
+
+    def __init__(self) -> None:
+        self.landed = False
+
+    def query(self) -> bool:
+        return self.landed
+
+    def synchronize(self) -> None:
+        self.landed = True
+
+
+def test_the_runner_reports_the_swap_outs_that_landed_and_only_those_decode(tiny_model_dirs, monkeypatch):
+    """Freshly prefilled requests move to the host pool while the device computes: the runner starts their copies
+    after the step, and a request decodes on the CPU once the runner has reported its copy landed. Finishing a
+    request whose copy is still in flight lands it before its blocks are freed."""
+    engine = _engine(tiny_model_dirs["llama3"], 64, offload_policy="always", pipeline="off")
+    events: list[_CopyEvent] = []
+    monkeypatch.setattr(engine.runner.swapper, "_record", lambda: events.append(_CopyEvent()) or events[-1])
+    params = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    first, second = (engine.add_request([3, 4, 5, 6, 7], params, request_id) for request_id in ("r0", "r1"))
+    assert {out.request_id for out in engine.step()} == {first, second}
+    assert len(events) == 2 and len(engine.scheduler.cpu_running) == 2
+    used = engine.gpu_blocks.num_used_blocks
+    assert engine.step() == [] and engine.gpu_blocks.num_used_blocks == used, "nothing landed: nothing decodes"
+    events[0].landed = True
+    assert [out.request_id for out in engine.step()] == [first] and engine.gpu_blocks.num_used_blocks < used
+    engine.abort(second)
+    assert events[1].landed and not engine.runner.swapper.in_transit(second)
+    assert engine.gpu_blocks.num_used_blocks == 0
+
+
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
 def test_engine_cpu_pins_the_loop_and_keeps_cpu_attention_off_it(tiny_model_dirs, workload, reference_tokens):
     allowed = os.sched_getaffinity(0)

@@ -2,19 +2,15 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
-from neo_backend import EngineConfig, ModelConfig, SamplingParams
+from neo_backend import EngineConfig, SamplingParams
 from neo_backend.block_manager import BlockManager
-from neo_backend.host_pool import HostKVCache
-from neo_backend.perf_model import PerfModel
-from neo_backend.scheduler import CPU_BEHIND, HOST_SLOW, Scheduler, SchedulerOutput
+from neo_backend.perf_model import CORRECTION_SMOOTHING, PerfModel
+from neo_backend.scheduler import CPU_BEHIND, HOST_SLOW, Scheduler
+from neo_backend.scheduler_output import SchedulerOutput
 from neo_backend.sequence import Placement, Sequence
-from neo_backend.swapper import BlockSwapper
 
 BLOCK = 4
-TINY = ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=16, num_layers=1, num_heads=1, num_kv_heads=1,
-                   head_dim=4)
 
 
 def perf(dense_fixed=10e-3, dense_per_token=1e-5, cpu_per_token=1e-6, cpu_per_request=1e-5) -> PerfModel:
@@ -36,28 +32,44 @@ def test_dense_time_interpolates_between_profiled_points():
     assert model.dense(256) == pytest.approx(59e-3)
 
 
+def test_the_offload_correction_scales_predictions_and_is_taken_out_of_observations():
+    """Iterations with CPU work measured at twice the profile's time: the correction follows that ratio, not the
+    ratio to the already corrected prediction it is handed back."""
+    model = perf()
+    assert model.corrected(1.0, with_cpu_work=True) == 1.0
+    model.observe_iteration(model.corrected(1.0, with_cpu_work=True), 2.0, with_cpu_work=True)
+    first = 1.0 + CORRECTION_SMOOTHING * (2.0 - 1.0)
+    assert model.offload_slowdown == pytest.approx(first) and model.corrected(1.0, True) == pytest.approx(first)
+    model.observe_iteration(model.corrected(1.0, with_cpu_work=True), 2.0, with_cpu_work=True)
+    assert model.offload_slowdown == pytest.approx(first + CORRECTION_SMOOTHING * (2.0 - first))
+    assert model.corrected(1.0, with_cpu_work=False) == 1.0
+
+
 def make_scheduler(policy: str, gpu_blocks: int, cpu_blocks: int = 256, model: PerfModel | None = None,
                    **knobs) -> Scheduler:
     config = EngineConfig(offload_policy=policy, block_size=BLOCK, max_num_batched_tokens=64, **knobs)
-    shape = (gpu_blocks, BLOCK, 1, 4)
-    host = HostKVCache(TINY, cpu_blocks, BLOCK, torch.float32)
-    swapper = BlockSwapper([torch.zeros(shape)], [torch.zeros(shape)], host, torch.device("cpu"))
-    return Scheduler(config, BlockManager(gpu_blocks, BLOCK, "gpu"), BlockManager(cpu_blocks, BLOCK, "cpu"),
-                     swapper, model or perf())
+    return Scheduler(config, policy, BlockManager(gpu_blocks, BLOCK, "gpu"), BlockManager(cpu_blocks, BLOCK, "cpu"),
+                     model or perf())
 
 
 def request(i: int, prompt_len: int = 6) -> Sequence:
     return Sequence(f"r{i}", None, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=1000))
 
 
-def run_step(sched: Scheduler):
-    """What the engine does around the model: advance computed tokens, sample one token, offload."""
-    out = sched.schedule()
+def advance(out: SchedulerOutput) -> None:
+    """What the model does: compute the scheduled tokens; a sequence with all of them computed samples one."""
     for seq, n in out.scheduled():
         seq.num_computed_tokens += n
         if seq.num_computed_tokens == len(seq.token_ids):
             seq.token_ids.append(7)
-    sched.offload(out.offload_after_step)
+
+
+def run_step(sched: Scheduler) -> SchedulerOutput:
+    """What the engine does around the model, with a runner whose swap-outs land before the next step (as on a
+    CPU device): plan, advance, offload, report the offloads landed."""
+    out = sched.schedule()
+    advance(out)
+    sched.swaps_landed([swap.request_id for swap in sched.offload(out.offload_after_step)])
     return out
 
 
@@ -201,39 +213,77 @@ def test_fail_safe_backs_off_when_the_cpu_is_slower_than_predicted():
     assert model.cpu_correction == pytest.approx(1.0, rel=0.05) and not sched.cpu_behind
 
 
-class _CopyEvent:
-    """Stands in for the swap stream's CUDA event: the copy lands when the test says so."""
+def test_the_plan_carries_the_swaps_and_the_step_gets_the_device_blocks_they_free():
+    """The scheduler moves no data: a swap-out it needs room from, and a swap-in once room returns, are in its
+    output for the runner, with the blocks each side owns; the swapped-out blocks serve this very step."""
+    sched = make_scheduler("auto", gpu_blocks=12)
+    for i in range(4):
+        sched.add(request(i, prompt_len=7))
+    swap_outs = []
+    for _ in range(8):
+        before = sched.swap_out_blocks
+        out = run_step(sched)
+        if out.swap_out:
+            swap_outs.append((out, sched.swap_out_blocks - before))
+    assert swap_outs, "a 12-block device pool must swap requests out"
+    out, blocks = swap_outs[0]
+    assert sum(len(swap.host_blocks) for swap in out.swap_out) == blocks and not out.swap_in
+    by_id = {seq.request_id: seq for seq in sched.cpu_running}
+    for swap in out.swap_out:
+        assert len(swap.device_blocks) == len(swap.host_blocks)
+        assert by_id[swap.request_id].block_table[:len(swap.host_blocks)] == swap.host_blocks
+    assert not any(map(sched.is_swapping_out, sched.cpu_running)), "swapped out for room: landed at once"
+    for seq in list(sched.running):
+        sched.remove(seq)
+    out = run_step(sched)
+    assert out.swap_in and not out.swap_out
+    for swap in out.swap_in:
+        seq = next(s for s in sched.running if s.block_table[:len(swap.device_blocks)] == swap.device_blocks)
+        assert seq.placement == Placement.GPU and len(swap.host_blocks) == len(swap.device_blocks)
+    assert sched.swap_in_blocks == sum(len(swap.device_blocks) for swap in out.swap_in)
 
-    def __init__(self) -> None:
-        self.landed = False
 
-    def query(self) -> bool:
-        return self.landed
-
-    def synchronize(self) -> None:
-        self.landed = True
-
-
-def test_a_swap_out_in_flight_holds_its_request_until_the_copy_lands(monkeypatch):
-    """A freshly prefilled request moves to the host pool while the device computes: the scheduler does not
-    wait for the copy, does not decode the request before it lands, and lands it before freeing its blocks."""
+def test_a_swap_out_in_flight_holds_its_request_until_the_runner_reports_it_landed():
+    """A freshly prefilled request moves to the host pool while the device computes: until the runner reports
+    its copy landed, the request does not decode and its device blocks stay taken."""
     sched = make_scheduler("always", gpu_blocks=32)
-    events: list[_CopyEvent] = []
-    monkeypatch.setattr(sched.swapper, "_record", lambda: events.append(_CopyEvent()) or events[-1])
     for i in range(2):
         sched.add(request(i))
-    run_step(sched)
-    assert len(events) == 2 and len(sched.cpu_running) == 2
+    first = sched.schedule()
+    advance(first)
+    swaps = sched.offload(first.offload_after_step)
+    assert [swap.request_id for swap in swaps] == ["r0", "r1"] and len(sched.cpu_running) == 2
+    assert all(sched.is_swapping_out(seq) for seq in sched.cpu_running)
     used = sched.gpu_blocks.num_used_blocks
-    second = run_step(sched)
-    assert not second.cpu_decodes and sched.gpu_blocks.num_used_blocks == used, "nothing landed: nothing moves"
-    events[0].landed = True
-    third = run_step(sched)
-    assert [s.request_id for s in third.cpu_decodes] == ["r0"] and sched.gpu_blocks.num_used_blocks < used
-    in_flight = sched.cpu_running[1]
-    sched.remove(in_flight)  # finishing (or aborting) a request lands its copy before its blocks are reused
-    assert events[1].landed and not sched.swapper.in_transit(in_flight.request_id)
+    second = sched.schedule()
+    assert second.is_empty and sched.gpu_blocks.num_used_blocks == used, "nothing landed: nothing moves"
+    sched.swaps_landed(["r0"])
+    third = sched.schedule()
+    assert [s.request_id for s in third.cpu_decodes] == ["r0"]
+    assert sched.gpu_blocks.num_used_blocks == used - len(swaps[0].device_blocks)
+    assert sched.is_swapping_out(sched.cpu_running[1])
+    sched.swaps_landed(["r1"])
     assert sched.gpu_blocks.num_used_blocks == 0
+
+
+def test_preempting_a_request_in_flight_lands_the_copies_before_its_host_blocks_are_freed():
+    """A CPU-request preempted for host room while its swap-out still copies: the plan has the runner land every
+    copy in flight first, so none writes into host blocks given to another request."""
+    sched = make_scheduler("always", gpu_blocks=32, cpu_blocks=6)
+    sched.add(request(0, prompt_len=8))
+    run_step(sched)
+    sched.add(request(1, prompt_len=7))
+    out = sched.schedule()
+    advance(out)
+    assert [swap.request_id for swap in sched.offload(out.offload_after_step)] == ["r1"]
+    in_flight = sched.cpu_running[1]
+    for _ in range(20):  # r0 grows in the host pool until it needs r1's blocks
+        out = sched.schedule()
+        advance(out)
+        if out.preempted:
+            break
+    assert out.preempted == [in_flight] and out.land_swap_outs
+    assert not sched.is_swapping_out(in_flight) and sched.gpu_blocks.num_used_blocks == 0
 
 
 def test_a_busy_host_sends_cpu_requests_back_to_the_gpu_and_a_quiet_one_gets_them_again():
@@ -244,8 +294,11 @@ def test_a_busy_host_sends_cpu_requests_back_to_the_gpu_and_a_quiet_one_gets_the
     for _ in range(12):
         run_step(sched)
     assert sched.cpu_running, "a full device pushes requests to the host"
-    model.cpu_correction = (CPU_BEHIND + HOST_SLOW) / 2  # behind: no new offloads, the CPU-requests stay
-    assert run_step(sched).cpu_decodes is not None and sched.cpu_running
+    model.cpu_correction = (CPU_BEHIND + HOST_SLOW) / 2  # behind: no new offloads; the CPU-requests stay and decode
+    on_host, swapped = list(sched.cpu_running), sched.swap_out_blocks
+    out = run_step(sched)
+    assert sched.swap_out_blocks == swapped and not out.preempted and sched.cpu_running == on_host
+    assert {s.request_id for s in out.cpu_decodes} == {s.request_id for s in on_host}
     model.cpu_correction = 2 * HOST_SLOW  # measured host attention: far slower than profiled
     out = run_step(sched)
     assert not sched.cpu_running and not out.cpu_decodes and out.preempted
