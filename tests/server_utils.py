@@ -23,6 +23,7 @@ from neo_backend.server import (DEFAULT_MODEL_REPOSITORY, MODEL_NAME, ServerAddr
 
 READY_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 30.0
+DRAIN_TIMEOUT_S = 30.0  # generous: how quickly the engine drains is for benchmarks to measure, not for tests
 LOG_TAIL_CHARS = 6000
 
 
@@ -105,7 +106,8 @@ def kv_blocks_used(samples: list) -> float:
     return metric_value(samples, "neo_kv_blocks_used")
 
 
-def wait_for_metrics(server: RunningServer, condition: Callable[[list], bool], what: str, timeout: float) -> list:
+def wait_for_metrics(server: RunningServer, condition: Callable[[list], bool], what: str,
+                     timeout: float = DRAIN_TIMEOUT_S) -> list:
     """The first scrape that meets `condition`. The model refreshes its gauges every 0.25 s, so a test polls
     rather than reading them once right after a request changed state."""
     deadline = time.monotonic() + timeout
@@ -118,3 +120,9 @@ def wait_for_metrics(server: RunningServer, condition: Callable[[list], bool], w
             raise AssertionError(f"{what} not reached within {timeout:g} s; neo metrics: {neo}; log tail:\n"
                                  f"{server.log_tail(3000)}")
         time.sleep(0.05)
+
+
+def wait_idle(server: RunningServer, timeout: float = DRAIN_TIMEOUT_S) -> list:
+    """The first scrape with no request in the engine and no KV block in use."""
+    return wait_for_metrics(server, lambda s: (requests_in_engine(s), kv_blocks_used(s)) == (0, 0), "an idle engine",
+                            timeout)
