@@ -1,13 +1,33 @@
-"""Shared fixtures: real model weights (the embedded SmolLM2 GGUF, tiny random HF checkpoints) and engines."""
+"""Shared fixtures: the suite's own cache directory, real model weights (the embedded SmolLM2 GGUF, tiny random HF
+checkpoints) and engines."""
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
 
 from neo_backend import EngineConfig, LLMEngine
 from neo_backend.loader import default_model_path
+
+@pytest.fixture(scope="session", autouse=True)
+def private_cache_dir(tmp_path_factory) -> Iterator[Path]:
+    """The suite's own cache directory, for in-process engines and the servers it starts (they inherit
+    XDG_CACHE_HOME): performance profiles are measured afresh each run, so a profile taken once on a busy machine
+    cannot steer every later run. Tokenizer conversions are deterministic and slow (~15 s): those stay shared with
+    the user's cache."""
+    user_tokenizers = EngineConfig().cache_path / "tokenizers"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
+        cache = EngineConfig().cache_path
+        cache.mkdir()
+        with contextlib.suppress(OSError):  # an unwritable user cache: convert into the suite's own
+            user_tokenizers.mkdir(parents=True, exist_ok=True)
+            (cache / "tokenizers").symlink_to(user_tokenizers, target_is_directory=True)
+        yield cache
+
 
 TINY_VARIANTS = {
     # GQA 4/2 with llama3 rope scaling, untied embeddings

@@ -6,6 +6,8 @@ from typing import Callable
 from loadtest.metrics import Sample, metric_value, poll_metrics
 from loadtest.server import RunningServer
 
+DRAIN_TIMEOUT_S = 30.0  # generous: how quickly the engine drains is for benchmarks to measure, not for tests
+
 
 def requests_in_engine(samples: list[Sample]) -> float:
     return metric_value(samples, "neo_requests")
@@ -16,7 +18,7 @@ def kv_blocks_used(samples: list[Sample]) -> float:
 
 
 def wait_for_metrics(server: RunningServer, condition: Callable[[list[Sample]], bool], what: str,
-                     timeout: float) -> list[Sample]:
+                     timeout: float = DRAIN_TIMEOUT_S) -> list[Sample]:
     """The first scrape that meets `condition`, polled as a request's effect on the gauges lags it."""
     samples, met = poll_metrics(server.metrics_url, condition, timeout, interval=0.05)
     if not met:
@@ -24,3 +26,9 @@ def wait_for_metrics(server: RunningServer, condition: Callable[[list[Sample]], 
         raise AssertionError(f"{what} not reached within {timeout:g} s; neo metrics: {neo}; log tail:\n"
                              f"{server.log_tail(3000)}")
     return samples
+
+
+def wait_idle(server: RunningServer, timeout: float = DRAIN_TIMEOUT_S) -> list[Sample]:
+    """The first scrape with no request in the engine and no KV block in use."""
+    return wait_for_metrics(server, lambda s: (requests_in_engine(s), kv_blocks_used(s)) == (0, 0), "an idle engine",
+                            timeout)

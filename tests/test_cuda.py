@@ -15,7 +15,7 @@ from neo_backend.layers.paged_decode import decode_attention, decode_attention_r
 from neo_backend.layers.rotary import RotaryEmbedding, rotate_reference
 from neo_backend.swapper import BlockSwapper
 
-from test_generation import _collect, _host_attention_predicted_free, _mixed_requests
+from test_generation import _collect, _fixed_perf_model, _mixed_requests
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -87,7 +87,7 @@ def test_cuda_greedy_unchanged_by_offload(tiny_model_dirs, policy, pipeline, sm_
                                     block_size=16, offload_policy=policy, pipeline=pipeline,
                                     cpu_kv_cache_gb=0.05, max_num_batched_tokens=128, cpu_latency_slack=1000.0))
     if policy == "auto":
-        _host_attention_predicted_free(engine, monkeypatch)
+        _fixed_perf_model(engine, monkeypatch)
     assert _collect(engine, prompts, max_tokens, stagger=True) == expected
     stats = engine.stats_snapshot()
     assert (stats["cpu_decode_tokens"] > 0) == (policy != "never")

@@ -38,12 +38,16 @@ def _outputs(stream, timeout_s: float = 60.0):
         yield stream.get(timeout=timeout_s)
 
 
-def _host_attention_predicted_free(engine, monkeypatch, remeasured: bool = False) -> None:
-    """`auto` swaps and places on every pressured step: the host's attention predicted free (and, unless
-    `remeasured`, never re-measured). A tiny model's CPU work pays or not by a margin that start-up timing decides
-    (and on a GPU never pays, or the fail-safe stops it after a timing-dependent number of iterations)."""
-    for term in ("cpu_attn_fixed", "cpu_attn_per_request", "cpu_attn_per_token"):
-        monkeypatch.setattr(engine.perf_model, term, 0.0)
+def _fixed_perf_model(engine, monkeypatch, remeasured: bool = False) -> None:
+    """The start-up profile replaced, in place, by a fixed model under which `auto` swaps and places on every
+    pressured step: every iteration predicted to take 10 ms whatever it holds, the host's attention free (and,
+    unless `remeasured`, never re-measured). With a measured profile, whether a tiny model's CPU work pays is
+    decided by a margin that the start-up timing sets (and on a GPU it never pays, or the fail-safe stops it after
+    a timing-dependent number of iterations)."""
+    fixed = {"dense_tokens": [1], "dense_seconds": [0.01], "gpu_attn_per_token": 0.0, "cpu_attn_fixed": 0.0,
+             "cpu_attn_per_request": 0.0, "cpu_attn_per_token": 0.0}
+    for term, value in fixed.items():
+        monkeypatch.setattr(engine.perf_model, term, value)
     if not remeasured:
         for observe in ("observe_cpu", "observe_iteration"):
             monkeypatch.setattr(engine.perf_model, observe, lambda *args: None)

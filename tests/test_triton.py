@@ -3,7 +3,6 @@ and HTTP clients: streaming, concurrency, the HTTP generate extension, cancellat
 start-up failures and SIGTERM."""
 from __future__ import annotations
 
-import datetime
 import json
 import queue
 import shutil
@@ -32,7 +31,6 @@ MAX_TOKENS = 8
 GREEDY = {"temperature": 0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
 LONG = {"temperature": 0, "max_tokens": 200, "ignore_eos": True}  # far longer than any test waits for
 TIMEOUT_S = 120.0
-DRAIN_TIMEOUT_S = 10.0
 
 
 # Clients ---------------------------------------------------------------------------------------------------------
@@ -226,25 +224,21 @@ def test_http_generate_and_generate_stream_return_the_same_text(server, referenc
 
 # Cancellation and metrics ----------------------------------------------------------------------------------------
 
-def test_cancelled_stream_frees_its_blocks_and_the_next_request_works(server, reference):
-    idle = wait_for_metrics(server, lambda s: requests_in_engine(s) == 0, "an idle engine", DRAIN_TIMEOUT_S)
+def test_cancelled_stream_is_aborted_frees_its_blocks_and_the_next_request_works(server, reference):
+    idle = wait_for_metrics(server, lambda s: requests_in_engine(s) == 0, "an idle engine")
     idle_blocks = kv_blocks_used(idle)
     stream = Stream(server).send(request_inputs(PROMPTS[0], LONG))
     for _ in range(3):
         stream.next()
     assert stream.result.error is None and not stream.done
-    busy = wait_for_metrics(server, lambda s: requests_in_engine(s) == 1, "one request in the engine",
-                            DRAIN_TIMEOUT_S)
+    busy = wait_for_metrics(server, lambda s: requests_in_engine(s) == 1, "one request in the engine")
     assert kv_blocks_used(busy) > idle_blocks
-    cancelled_at = datetime.datetime.now()
+    aborts_before = server.log().count("cancelled by its client")
     stream.close(cancel=True)
     wait_for_metrics(server, lambda s: requests_in_engine(s) == 0 and kv_blocks_used(s) == idle_blocks,
-                     "blocks freed after the cancel", timeout=3.0)
-    # The model polls every 20 ms and logs when it aborts the request (measured here: 3 to 16 ms); the bound
-    # leaves room for a loaded 2-core machine.
-    [line] = [line for line in server.log().splitlines() if "cancelled by its client" in line][-1:]
-    aborted_at = datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f")
-    assert (aborted_at - cancelled_at).total_seconds() < 0.25, line
+                     "blocks freed after the cancel")
+    # Freed by the model's abort, not by the request running to its end.
+    assert server.log().count("cancelled by its client") == aborts_before + 1, server.log_tail()
     assert run_stream(server, request_inputs(PROMPTS[0], GREEDY)).text == reference[PROMPTS[0]]
 
 
@@ -254,7 +248,7 @@ def test_metrics_move_as_requests_run_and_drain_to_zero(server):
     assert result.error is None
     after = wait_for_metrics(server, lambda s: requests_in_engine(s) == 0 and metric_value(
         s, "neo_generation_tokens_total") >= metric_value(before, "neo_generation_tokens_total") + MAX_TOKENS,
-        "token counters updated, no request left", DRAIN_TIMEOUT_S)
+        "token counters updated, no request left")
 
     def grew(name: str) -> float:
         return metric_value(after, name) - metric_value(before, name)
