@@ -76,6 +76,7 @@ class TritonPythonModel:
         self._sender.start()
         self._stopping = threading.Event()
         self._wakeup_fd: int | None = None
+        self._watcher: threading.Thread | None = None
         self._monitor = threading.Thread(target=self._monitor_loop, name="neo-monitor", daemon=True)
         self._monitor.start()
         self._watch_sigterm()
@@ -105,7 +106,8 @@ class TritonPythonModel:
                         self._stopping.set()
                         self.engine.shutdown()
 
-        threading.Thread(target=watch, name="neo-sigterm", daemon=True).start()
+        self._watcher = threading.Thread(target=watch, name="neo-sigterm", daemon=True)
+        self._watcher.start()
 
     def is_ready(self) -> bool:
         """Model readiness for Triton releases whose python backend asks the model (python_backend PR #430);
@@ -118,7 +120,12 @@ class TritonPythonModel:
         return None
 
     def finalize(self) -> None:
-        """Stop the engine: requests still in flight end with an error response, then the senders drain."""
+        """Stop the engine: requests still in flight end with an error response, then the senders drain.
+
+        Every thread of the model is joined before this returns. The stub finalizes Python next; a thread still
+        holding the model then would free the engine's tensors during interpreter shutdown, and torch, taking the
+        GIL back in a tensor's destructor, ends that thread by an unwind that aborts the stub.
+        """
         log.info("shutting down with %d requests in flight", len(self._in_flight))
         self._stopping.set()
         self.engine.shutdown()
@@ -126,8 +133,11 @@ class TritonPythonModel:
             signal.set_wakeup_fd(-1)  # before the close: a later signal must not write into a reused fd
             os.close(self._wakeup_fd)  # ends the watcher thread
         self._outbox.put(None)  # after the engine's final outputs: the sender drains them, then stops
-        self._sender.join(SHUTDOWN_DRAIN_S)
-        self._monitor.join(1.0)
+        for thread, timeout in ((self._sender, SHUTDOWN_DRAIN_S), (self._monitor, 1.0), (self._watcher, 1.0)):
+            if thread is not None:
+                thread.join(timeout)
+                if thread.is_alive():
+                    log.warning("thread %s still running after %.0f s", thread.name, timeout)
         log.info("engine stopped")
 
     def _start(self, request: Any) -> None:
