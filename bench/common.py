@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from neo_backend import SamplingParams
-from neo_backend.sequence import Placement, Sequence
+from neo_backend.core.sequence import Placement, Sequence
 from timing import median_seconds
 
 LLAMA3_8B = str(Path(__file__).parent / "configs" / "llama3-8b")

@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serving import Record, add_engine_args, make_trace, pct, replay, start_engine, trace_vocab  # noqa: E402
 from serving import without_last_iteration  # noqa: E402
 from neo_backend.cpu.affinity import attention_cpus  # noqa: E402
-from neo_backend.scheduler import CPU_BEHIND  # noqa: E402
+from neo_backend.core.scheduler import CPU_BEHIND  # noqa: E402
 from neo_backend.streaming import StreamingEngine  # noqa: E402
 
 PHASES = ("quiet", "contention", "recovery")

@@ -39,8 +39,8 @@ import torch  # noqa: E402
 
 from common import LLAMA3_8B  # noqa: E402
 from neo_backend import EngineConfig, LLMEngine  # noqa: E402
-from neo_backend.loader import load_tokenizer, read_model_config, resolve_source  # noqa: E402
-from neo_backend.model_runner import resolve_device, resolve_dtype  # noqa: E402
+from neo_backend.models.loader import load_tokenizer, read_model_config, resolve_source  # noqa: E402
+from neo_backend.executor.model_runner import resolve_device, resolve_dtype  # noqa: E402
 from timing import sync  # noqa: E402
 
 SYSTEMS = ("hf_generate", "hf_generate_batch", "neo")

@@ -24,12 +24,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from serving import Record, make_trace, paper_metric, summarize  # noqa: E402
 from neo_backend import EngineConfig, SamplingParams  # noqa: E402
-from neo_backend.block_manager import BlockManager  # noqa: E402
-from neo_backend.perf_model import PerfModel  # noqa: E402
-from neo_backend.profiler import DENSE_PROFILE_TOKENS  # noqa: E402
-from neo_backend.scheduler import Scheduler  # noqa: E402
-from neo_backend.scheduler_output import SchedulerOutput  # noqa: E402
-from neo_backend.sequence import Sequence  # noqa: E402
+from neo_backend.core.block_manager import BlockManager  # noqa: E402
+from neo_backend.core.perf_model import PerfModel  # noqa: E402
+from neo_backend.executor.profiler import DENSE_PROFILE_TOKENS  # noqa: E402
+from neo_backend.core.scheduler import Scheduler  # noqa: E402
+from neo_backend.core.scheduler_output import SchedulerOutput  # noqa: E402
+from neo_backend.core.sequence import Sequence  # noqa: E402
 
 BLOCK_SIZE = 16
 SWAP_BYTES_PER_S = 6e9    # a swap as the scheduler waits for it: measured ~90 ms per 552 MB request (device to

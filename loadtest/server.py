@@ -1,5 +1,5 @@
 """A tritonserver of one's own, for the soak and the tests: started on free 127.0.0.1 ports exactly as
-`python -m neo_backend serve` starts one (neo_backend.server.launch), with its log in a file for failure messages,
+`python -m neo_backend serve` starts one (neo_backend.triton.server.launch), with its log in a file for failure messages,
 a readiness wait that notices an early exit, and a clean stop.
 
     with triton_server({"num_gpu_blocks": 512}) as server:
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Iterator, Mapping
 
 from neo_backend.errors import NeoError
-from neo_backend.server import (DEFAULT_MODEL_REPOSITORY, MODEL_NAME, ServerAddress, free_ports, is_ready, launch,
+from neo_backend.triton.server import (DEFAULT_MODEL_REPOSITORY, MODEL_NAME, ServerAddress, free_ports, is_ready, launch,
                                 signal_server, stop_server)
 
 READY_TIMEOUT_S = 300.0

@@ -3,8 +3,8 @@ from .config import EngineConfig, ModelConfig
 from .engine import LLMEngine
 from .errors import (ConfigError, EngineDeadError, InvalidRequestError, KernelError, KernelInputError,
                      ModelLoadError, NeoError, QueueFullError)
-from .outputs import RequestMetrics, RequestOutput
-from .sampling_params import SamplingParams
+from .core.outputs import RequestMetrics, RequestOutput
+from .core.sampling_params import SamplingParams
 
 __all__ = ["EngineConfig", "ModelConfig", "LLMEngine", "SamplingParams", "RequestOutput", "RequestMetrics",
            "NeoError", "ConfigError", "ModelLoadError", "InvalidRequestError", "QueueFullError", "EngineDeadError",

@@ -11,7 +11,7 @@ import typing
 
 from .config import EngineConfig
 from .errors import NeoError
-from .sampling_params import SamplingParams
+from .core.sampling_params import SamplingParams
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -64,14 +64,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from .server import serve
+    from .triton.server import serve
 
     return serve(args)
 
 
 def cmd_prepare_model(args: argparse.Namespace) -> int:
     """Resolve the model and convert its tokenizer ahead of time, so the first server start is quick."""
-    from .loader import load_tokenizer, read_model_config, resolve_source
+    from .models.loader import load_tokenizer, read_model_config, resolve_source
 
     config = EngineConfig.from_cli_args(args)
     source = resolve_source(config)

@@ -7,19 +7,19 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
-from .block_manager import BlockManager
+from .core.block_manager import BlockManager
 from .config import OFFLOAD_POLICIES, EngineConfig
 from .errors import ConfigError, InvalidRequestError, KernelError
-from .loader import load_tokenizer, read_model_config, resolve_source
-from .model_runner import ModelRunner
-from .outputs import RequestMetrics, RequestOutput
-from .profiler import load_or_profile
-from .sampling_params import SamplingParams
+from .models.loader import load_tokenizer, read_model_config, resolve_source
+from .executor.model_runner import ModelRunner
+from .core.outputs import RequestMetrics, RequestOutput
+from .executor.profiler import load_or_profile
+from .core.sampling_params import SamplingParams
 from .layers.sampler import SampleResult
-from .scheduler import Scheduler
-from .scheduler_output import SchedulerOutput
-from .sequence import Sequence, SequenceStatus
-from .tokenizer import IncrementalDetokenizer
+from .core.scheduler import Scheduler
+from .core.scheduler_output import SchedulerOutput
+from .core.sequence import Sequence, SequenceStatus
+from .models.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("neo_backend")
 

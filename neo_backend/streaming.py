@@ -15,9 +15,9 @@ from .config import EngineConfig
 from .cpu.affinity import attention_cpus, pin_current_thread
 from .engine import LLMEngine
 from .errors import EngineDeadError, InvalidRequestError, QueueFullError
-from .outputs import RequestOutput
-from .sampling_params import SamplingParams
-from .tokenizer import Tokenizer
+from .core.outputs import RequestOutput
+from .core.sampling_params import SamplingParams
+from .models.tokenizer import Tokenizer
 
 log = logging.getLogger("neo_backend")
 

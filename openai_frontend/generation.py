@@ -12,7 +12,7 @@ from typing import Any, AsyncIterator
 
 from client import AsyncNeoClient, ClientError, GenerationResult
 from neo_backend.errors import InvalidRequestError
-from neo_backend.sampling_params import SamplingParams
+from neo_backend.core.sampling_params import SamplingParams
 
 from .errors import APIError, from_client_error
 from .schema import GenerationRequest

@@ -12,8 +12,8 @@ from typing import Any
 from client import AsyncNeoClient, ClientError
 from neo_backend.config import EngineConfig
 from neo_backend.errors import InvalidRequestError
-from neo_backend.loader import load_tokenizer, read_model_config, resolve_source
-from neo_backend.tokenizer import Tokenizer
+from neo_backend.models.loader import load_tokenizer, read_model_config, resolve_source
+from neo_backend.models.tokenizer import Tokenizer
 
 from .errors import APIError
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from neo_backend import EngineConfig, LLMEngine
-from neo_backend.loader import default_model_path
+from neo_backend.models.loader import default_model_path
 
 @pytest.fixture(scope="session", autouse=True)
 def private_cache_dir(tmp_path_factory) -> Iterator[Path]:

@@ -15,7 +15,7 @@ import pytest
 from client import AsyncNeoClient, NeoClient, ServerError, render_chat
 from client.__main__ import parse_args, sampling_from_args
 from loadtest.server import RunningServer, triton_server
-from neo_backend.server import free_ports
+from neo_backend.triton.server import free_ports
 from server_utils import kv_blocks_used, requests_in_engine, wait_for_metrics, wait_idle
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,7 +33,7 @@ def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60) 
 
 def test_default_chat_template_renders_like_the_default_model():
     from neo_backend import EngineConfig
-    from neo_backend.loader import load_tokenizer, read_model_config, resolve_source
+    from neo_backend.models.loader import load_tokenizer, read_model_config, resolve_source
 
     config = EngineConfig()
     source = resolve_source(config)

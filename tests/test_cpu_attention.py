@@ -14,7 +14,7 @@ from kernel_helpers import available_isas, forced_isa, reference_paged_decode_at
 from neo_backend.cpu import build, library
 from neo_backend.cpu.abi import Isa
 from neo_backend.cpu.handoff import Flags, IterationLane
-from neo_backend.cpu.host_attention import attention_threads
+from neo_backend.executor.host_attention import attention_threads
 from neo_backend.cpu.ops import Kernels
 from neo_backend.errors import KernelInputError
 

@@ -7,13 +7,13 @@ import torch
 
 from neo_backend import EngineConfig, LLMEngine
 from neo_backend.config import ModelConfig
-from neo_backend.host_pool import HostKVCache
+from neo_backend.executor.host_pool import HostKVCache
 from neo_backend.layers import fused
 from neo_backend.layers.activation import silu_and_mul_reference
 from neo_backend.layers.norm import add_rms_norm_reference
 from neo_backend.layers.paged_decode import decode_attention, decode_attention_reference
 from neo_backend.layers.rotary import RotaryEmbedding, rotate_reference
-from neo_backend.swapper import BlockSwapper
+from neo_backend.executor.swapper import BlockSwapper
 
 from test_generation import _collect, _fixed_perf_model, _mixed_requests
 

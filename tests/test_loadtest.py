@@ -26,7 +26,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 @pytest.fixture(scope="module")
 def tokenizer():
     from neo_backend import EngineConfig
-    from neo_backend.loader import load_tokenizer, read_model_config, resolve_source
+    from neo_backend.models.loader import load_tokenizer, read_model_config, resolve_source
 
     config = EngineConfig()
     source = resolve_source(config)

@@ -10,7 +10,7 @@ import torch
 
 from neo_backend import EngineConfig, LLMEngine
 from neo_backend.cpu.ops import Kernels
-from neo_backend.host_pool import HUGE_PAGE_BYTES, huge_page_tensor
+from neo_backend.executor.host_pool import HUGE_PAGE_BYTES, huge_page_tensor
 from neo_backend.streaming import StreamingEngine
 
 from test_generation import _collect, _fixed_perf_model, _mixed_requests, _outputs

@@ -24,8 +24,8 @@ from client import NeoClient, ServerError, render_chat
 from loadtest.records import read_records
 from loadtest.server import RunningServer, triton_server
 from neo_backend import EngineConfig
-from neo_backend.server import free_ports, launch_gateway, stop_gateway
-from neo_backend.tokenizer import Tokenizer
+from neo_backend.triton.server import free_ports, launch_gateway, stop_gateway
+from neo_backend.models.tokenizer import Tokenizer
 from openai_frontend import GatewayConfig, create_app
 from openai_frontend.errors import APIError, from_client_error
 from openai_frontend.served_model import ServedModel

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from neo_backend import EngineConfig, LLMEngine, profiler
-from neo_backend.perf_model import PerfModel, fit_plane, load_cached, save
+from neo_backend.core.perf_model import PerfModel, fit_plane, load_cached, save
 
 MS = 1e-3
 

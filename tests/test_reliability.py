@@ -28,7 +28,7 @@ from client.protocol import raw_inputs
 from loadtest.metrics import engine_gauges, metric_value, scrape_metrics
 from loadtest.server import RunningServer, triton_server
 from loadtest.soak import run_soak, server_pids
-from neo_backend.server import MODEL_NAME, ServerAddress, build_command, find_tritonserver
+from neo_backend.triton.server import MODEL_NAME, ServerAddress, build_command, find_tritonserver
 from server_utils import wait_for_metrics
 
 REPO = Path(__file__).resolve().parent.parent

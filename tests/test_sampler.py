@@ -13,7 +13,7 @@ from transformers import (LogitsProcessor, LogitsProcessorList, MinNewTokensLeng
 
 from neo_backend import EngineConfig, LLMEngine, SamplingParams
 from neo_backend.layers.sampler import Sampler
-from neo_backend.sequence import Sequence
+from neo_backend.core.sequence import Sequence
 
 VOCAB = 16
 EOS = (2,)

@@ -4,11 +4,11 @@ from __future__ import annotations
 import pytest
 
 from neo_backend import EngineConfig, SamplingParams
-from neo_backend.block_manager import BlockManager
-from neo_backend.perf_model import CORRECTION_SMOOTHING, PerfModel
-from neo_backend.scheduler import CPU_BEHIND, HOST_SLOW, Scheduler
-from neo_backend.scheduler_output import SchedulerOutput
-from neo_backend.sequence import Placement, Sequence
+from neo_backend.core.block_manager import BlockManager
+from neo_backend.core.perf_model import CORRECTION_SMOOTHING, PerfModel
+from neo_backend.core.scheduler import CPU_BEHIND, HOST_SLOW, Scheduler
+from neo_backend.core.scheduler_output import SchedulerOutput
+from neo_backend.core.sequence import Placement, Sequence
 
 BLOCK = 4
 

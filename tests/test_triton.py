@@ -20,7 +20,7 @@ from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 from loadtest.metrics import metric_value, scrape_metrics
 from loadtest.server import RunningServer, ServerStartError, triton_server
 from neo_backend import ConfigError, EngineConfig, LLMEngine
-from neo_backend.server import (DEFAULT_MODEL_REPOSITORY, MODEL_NAME, ServerAddress, free_ports, knob_overrides,
+from neo_backend.triton.server import (DEFAULT_MODEL_REPOSITORY, MODEL_NAME, ServerAddress, free_ports, knob_overrides,
                                 read_parameters)
 from server_utils import kv_blocks_used, requests_in_engine, wait_for_metrics
 

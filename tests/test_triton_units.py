@@ -9,9 +9,9 @@ import pytest
 from neo_backend.cli import _sampling_from_args, build_parser
 from neo_backend.config import EngineConfig, parse_knob
 from neo_backend.errors import ConfigError, EngineDeadError, InvalidRequestError, KernelError, QueueFullError
-from neo_backend.outputs import RequestMetrics, RequestOutput
-from neo_backend.sampling_params import SamplingParams
-from neo_backend.server import knob_overrides
+from neo_backend.core.outputs import RequestMetrics, RequestOutput
+from neo_backend.core.sampling_params import SamplingParams
+from neo_backend.triton.server import knob_overrides
 from neo_backend.triton.metrics import NeoMetrics
 from neo_backend.triton.parameters import engine_config
 from neo_backend.triton.request import RequestSpec

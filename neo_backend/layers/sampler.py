@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..sequence import Sequence
+from ..core.sequence import Sequence
 
 
 @dataclass

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from ..errors import InvalidRequestError
-from ..sampling_params import SamplingParams
+from ..core.sampling_params import SamplingParams
 
 FLAG_INPUTS = ("stream", "exclude_input_in_output", "return_finish_reason", "return_cumulative_logprob",
                "return_logprobs", "return_num_input_tokens", "return_num_output_tokens")

@@ -13,7 +13,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import EngineDeadError, InvalidRequestError, NeoError, QueueFullError
-from ..outputs import RequestOutput
+from ..core.outputs import RequestOutput
 from .request import RequestSpec
 
 log = logging.getLogger("neo_backend.triton")

@@ -25,7 +25,7 @@ from typing import Any
 import triton_python_backend_utils as pb_utils
 
 from neo_backend.errors import NeoError
-from neo_backend.outputs import RequestOutput
+from neo_backend.core.outputs import RequestOutput
 from neo_backend.streaming import StreamingEngine
 from neo_backend.triton.metrics import NeoMetrics
 from neo_backend.triton.parameters import engine_config

@@ -22,7 +22,7 @@ import logging
 
 import torch
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 log = logging.getLogger("neo_backend")
 

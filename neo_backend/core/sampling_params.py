@@ -7,8 +7,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from .config import parse_knob
-from .errors import InvalidRequestError
+from ..config import parse_knob
+from ..errors import InvalidRequestError
 
 _INT_FIELDS = {"max_tokens", "min_tokens", "top_k", "seed", "logprobs"}
 _FLOAT_FIELDS = {"temperature", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty"}

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from .errors import SchedulerError
+from ..errors import SchedulerError
 from .sequence import Sequence
 
 

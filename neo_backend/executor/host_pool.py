@@ -9,8 +9,8 @@ import time
 
 import torch
 
-from .config import ModelConfig
-from .errors import ConfigError, NeoError
+from ..config import ModelConfig
+from ..errors import ConfigError, NeoError
 
 log = logging.getLogger("neo_backend")
 

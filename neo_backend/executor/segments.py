@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .layers.attention import AttentionMetadata
+from ..layers.attention import AttentionMetadata
 
 if TYPE_CHECKING:
-    from .cpu.handoff import Flags
+    from ..cpu.handoff import Flags
 
 
 @dataclass

@@ -7,11 +7,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..host_pool import HostKVCache
-from . import library
-from .affinity import attention_cpus, pin_current_thread
-from .handoff import Flags, IterationLane
-from .ops import Kernels
+from ..cpu import library
+from ..cpu.affinity import attention_cpus, pin_current_thread
+from ..cpu.handoff import Flags, IterationLane
+from ..cpu.ops import Kernels
+from .host_pool import HostKVCache
 
 
 @dataclass

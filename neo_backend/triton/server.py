@@ -27,14 +27,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Mapping
 
-from .config import EngineConfig
-from .errors import ConfigError, NeoError
+from ..config import EngineConfig
+from ..errors import ConfigError, NeoError
 
-log = logging.getLogger("neo_backend.server")
+log = logging.getLogger("neo_backend.triton.server")
 
 MODEL_NAME = "neo"
 # The checkout's repository (neo_backend is installed editable); NEO_MODEL_REPOSITORY points `serve` elsewhere.
-DEFAULT_MODEL_REPOSITORY = Path(__file__).resolve().parent.parent / "model_repository"
+DEFAULT_MODEL_REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
 EXIT_TIMEOUT_S = 10
 KILL_GRACE_S = 20  # past Triton's own exit timeout: it has been seen to hang on exit
 

@@ -15,8 +15,8 @@ import time
 
 import torch
 
-from .cpu.handoff import HAND_OFF_SPIN_S, Flags
-from .layers.attention import AttentionMetadata
+from ..cpu.handoff import HAND_OFF_SPIN_S, Flags
+from ..layers.attention import AttentionMetadata
 from .segments import HostHandOff, LayerSegments
 
 log = logging.getLogger("neo_backend")

@@ -20,11 +20,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .cpu.handoff import HAND_OFF_SPIN_S, Flags, IterationLane
-from .cpu.host_attention import HostAttention, HostDecodeBatch
+from ..cpu.handoff import HAND_OFF_SPIN_S, Flags, IterationLane
+from .host_attention import HostAttention, HostDecodeBatch
 from .cuda_graphs import LaneGraphs
-from .errors import KernelError
-from .layers.attention import AttentionMetadata
+from ..errors import KernelError
+from ..layers.attention import AttentionMetadata
 from .segments import HostHandOff, LayerSegments
 
 

@@ -9,19 +9,19 @@ from typing import ContextManager
 
 import torch
 
-from .config import EngineConfig, ModelConfig
-from .cpu.abi import SUPPORTED_HEAD_DIMS
-from .cpu.host_attention import HostAttention, HostDecodeBatch
+from ..config import EngineConfig, ModelConfig
+from ..cpu.abi import SUPPORTED_HEAD_DIMS
+from .host_attention import HostAttention, HostDecodeBatch
 from .cuda_graphs import DecodeGraphs, DecodeInputs, LaneGraphs
-from .errors import ConfigError
+from ..errors import ConfigError
 from .gpu_partition import sm_partition
 from .host_pool import HostKVCache, host_available_bytes
-from .layers.attention import AttentionMetadata, PrefillChunk
-from .layers.sampler import SampleResult, Sampler
-from .loader import ModelSource, load_model
+from ..layers.attention import AttentionMetadata, PrefillChunk
+from ..layers.sampler import SampleResult, Sampler
+from ..models.loader import ModelSource, load_model
 from .pipeline import PipelinedExecutor, SubBatch
-from .scheduler_output import SchedulerOutput, SwapOut
-from .sequence import Sequence
+from ..core.scheduler_output import SchedulerOutput, SwapOut
+from ..core.sequence import Sequence
 from .swapper import BlockSwapper
 
 log = logging.getLogger("neo_backend")

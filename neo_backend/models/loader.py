@@ -19,9 +19,9 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from .config import EngineConfig, ModelConfig
-from .errors import ModelLoadError
-from .models.llama import LlamaForCausalLM
+from ..config import EngineConfig, ModelConfig
+from ..errors import ModelLoadError
+from .llama import LlamaForCausalLM
 from .tokenizer import Tokenizer
 
 log = logging.getLogger("neo_backend")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .errors import InvalidRequestError
+from ..errors import InvalidRequestError
 
 
 class Tokenizer:

@@ -8,11 +8,11 @@ from dataclasses import asdict
 
 import torch
 
-from .cpu import library
-from .cpu.host_attention import HostDecodeBatch
-from .layers.attention import AttentionMetadata
-from .layers.paged_decode import decode_attention
-from .perf_model import PerfModel, fit_plane, load_cached, median_time, save
+from ..cpu import library
+from .host_attention import HostDecodeBatch
+from ..layers.attention import AttentionMetadata
+from ..layers.paged_decode import decode_attention
+from ..core.perf_model import PerfModel, fit_plane, load_cached, median_time, save
 
 log = logging.getLogger("neo_backend")
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections import deque
 
 from .block_manager import BlockManager
-from .config import EngineConfig
+from ..config import EngineConfig
 from .perf_model import PerfModel
 from .scheduler_output import SchedulerOutput, SwapIn, SwapOut
 from .sequence import Placement, Sequence, SequenceStatus

@@ -1,0 +1,1 @@
+"""The engine core: sequences, block accounting, the scheduler and its performance model (no torch devices, no data movement)."""
