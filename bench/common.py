@@ -1,21 +1,22 @@
 """Helpers shared by the benchmarks: the dummy 8B shape, device ceilings, sequences placed by hand."""
+
 from __future__ import annotations
 
 import random
 from pathlib import Path
 
 import torch
+from timing import median_seconds
 
 from neo_backend import SamplingParams
 from neo_backend.core.sequence import Placement, Sequence
-from timing import median_seconds
 
 LLAMA3_8B = str(Path(__file__).parent / "configs" / "llama3-8b")
 
 
 def device_copy_bandwidth(device: torch.device) -> float:
     """Bytes/s of a large device-to-device copy, counting bytes read plus written."""
-    src = torch.randn(1 << 29, device=device, dtype=torch.bfloat16)   # 1 GiB
+    src = torch.randn(1 << 29, device=device, dtype=torch.bfloat16)  # 1 GiB
     dst = torch.empty_like(src)
     return 2 * src.numel() * src.element_size() / median_seconds(lambda: dst.copy_(src), 10, device=device, warmup=1)
 
@@ -25,7 +26,7 @@ def matmul_flops(device: torch.device) -> float:
     n = 8192
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    return 2 * n ** 3 / median_seconds(lambda: a @ b, 10, device=device, warmup=1)
+    return 2 * n**3 / median_seconds(lambda: a @ b, 10, device=device, warmup=1)
 
 
 def placed_sequence(name: str, length: int, blocks: list[int], placement: Placement, vocab: int) -> Sequence:

@@ -21,6 +21,7 @@ sampled every SAMPLE_INTERVAL_S, the share of tokens decoded on the CPU, preempt
 signals (cpu_correction, offload_slowdown) and the fraction of samples in which the scheduler was `cpu_behind`.
 The last line: `<policy>_p99_tpot_ratio=<P99 TPOT contention / quiet>` per policy.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,14 +39,23 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from serving import Record, add_engine_args, make_trace, pct, replay, start_engine, trace_vocab  # noqa: E402
-from serving import without_last_iteration  # noqa: E402
-from neo_backend.cpu.affinity import attention_cpus  # noqa: E402
+from serving import (  # noqa: E402
+    Record,
+    add_engine_args,
+    make_trace,
+    pct,
+    replay,
+    start_engine,
+    trace_vocab,
+    without_last_iteration,  # noqa: E402
+)
+
 from neo_backend.core.scheduler import CPU_BEHIND  # noqa: E402
+from neo_backend.cpu.affinity import attention_cpus  # noqa: E402
 from neo_backend.streaming import StreamingEngine  # noqa: E402
 
 PHASES = ("quiet", "contention", "recovery")
-HOG_BUFFER_MIB = 64      # per memory hog, source and destination each: together well beyond any LLC
+HOG_BUFFER_MIB = 64  # per memory hog, source and destination each: together well beyond any LLC
 
 
 def _hog_code(setup: str, work: str) -> str:
@@ -60,12 +70,13 @@ while os.getppid() == int(sys.argv[1]):
 
 
 HOG_CODE = {
-    "memory": _hog_code(f"import numpy as np\nsrc = np.ones({HOG_BUFFER_MIB} << 17)\ndst = np.empty_like(src)",
-                        "np.copyto(dst, src)"),
+    "memory": _hog_code(
+        f"import numpy as np\nsrc = np.ones({HOG_BUFFER_MIB} << 17)\ndst = np.empty_like(src)", "np.copyto(dst, src)"
+    ),
     "compute": _hog_code("", "sum(range(100_000))"),
 }
 SAMPLE_INTERVAL_S = 0.5
-MIN_GAPS = 4             # a request with fewer inter-token gaps in a window gives no TPOT sample there
+MIN_GAPS = 4  # a request with fewer inter-token gaps in a window gives no TPOT sample there
 COUNTERS = ("generation_tokens", "cpu_decode_tokens", "preemptions", "swap_out_blocks", "swap_in_blocks")
 
 Window = tuple[float, float]
@@ -73,8 +84,7 @@ Window = tuple[float, float]
 
 def start_hogs(kind: str, count: int, cpus: set[int]) -> list[subprocess.Popen]:
     where = ",".join(map(str, sorted(cpus)))
-    return [subprocess.Popen([sys.executable, "-c", HOG_CODE[kind], str(os.getpid()), where])
-            for _ in range(count)]
+    return [subprocess.Popen([sys.executable, "-c", HOG_CODE[kind], str(os.getpid()), where]) for _ in range(count)]
 
 
 def stop_hogs(hogs: list[subprocess.Popen]) -> None:
@@ -84,8 +94,15 @@ def stop_hogs(hogs: list[subprocess.Popen]) -> None:
         hog.wait()
 
 
-def hog_window(kind: str, count: int, cpus: set[int], start_at: float, stop_at: float, marks: dict[str, float],
-               cancel: threading.Event) -> None:
+def hog_window(
+    kind: str,
+    count: int,
+    cpus: set[int],
+    start_at: float,
+    stop_at: float,
+    marks: dict[str, float],
+    cancel: threading.Event,
+) -> None:
     """Hogs from `start_at` to `stop_at` (or until cancelled); `marks` gets when they really started and ended."""
     if cancel.wait(max(0.0, start_at - time.perf_counter())):
         return
@@ -103,17 +120,30 @@ def sample_stats(front: StreamingEngine, samples: list[tuple[float, dict]], canc
         samples.append((time.perf_counter(), front.stats()))
 
 
-def drive(front: StreamingEngine, trace, args: argparse.Namespace
-          ) -> tuple[dict[str, Window], list[Record], list[tuple[float, dict]]]:
+def drive(
+    front: StreamingEngine, trace, args: argparse.Namespace
+) -> tuple[dict[str, Window], list[Record], list[tuple[float, dict]]]:
     """Replay `trace` with hogs during the contention window; (windows, records, stats samples)."""
     cancel, marks, samples = threading.Event(), {}, []
     quiet_at = time.perf_counter() + args.warmup_seconds
     end = quiet_at + 3 * args.phase_seconds
     cpus = attention_cpus(front.config.engine_cpu)
     hogs = len(cpus) if args.hogs is None else args.hogs
-    helpers = [threading.Thread(target=hog_window, args=(args.hog_kind, hogs, cpus, quiet_at + args.phase_seconds,
-                                                         quiet_at + 2 * args.phase_seconds, marks, cancel)),
-               threading.Thread(target=sample_stats, args=(front, samples, cancel))]
+    helpers = [
+        threading.Thread(
+            target=hog_window,
+            args=(
+                args.hog_kind,
+                hogs,
+                cpus,
+                quiet_at + args.phase_seconds,
+                quiet_at + 2 * args.phase_seconds,
+                marks,
+                cancel,
+            ),
+        ),
+        threading.Thread(target=sample_stats, args=(front, samples, cancel)),
+    ]
     for thread in helpers:
         thread.start()
     try:
@@ -123,8 +153,11 @@ def drive(front: StreamingEngine, trace, args: argparse.Namespace
         cancel.set()
         for thread in helpers:
             thread.join()
-    windows = {"quiet": (quiet_at, marks["contention"]), "contention": (marks["contention"], marks["recovery"]),
-               "recovery": (marks["recovery"], end)}
+    windows = {
+        "quiet": (quiet_at, marks["contention"]),
+        "contention": (marks["contention"], marks["recovery"]),
+        "recovery": (marks["recovery"], end),
+    }
     return windows, records, samples
 
 
@@ -137,8 +170,14 @@ def request_figures(records: list[Record], window: Window) -> dict:
         if len(gaps) >= MIN_GAPS:
             tpot.append(statistics.mean(gaps))
     ttft = [r.first - r.start for r in records if r.first and lo <= r.start < hi]
-    return {"seconds": hi - lo, "requests": len(tpot), "output_tokens_per_s": tokens / (hi - lo),
-            "tpot_p50_s": pct(tpot, 50), "tpot_p99_s": pct(tpot, 99), "ttft_p99_s": pct(ttft, 99)}
+    return {
+        "seconds": hi - lo,
+        "requests": len(tpot),
+        "output_tokens_per_s": tokens / (hi - lo),
+        "tpot_p50_s": pct(tpot, 50),
+        "tpot_p99_s": pct(tpot, 99),
+        "ttft_p99_s": pct(ttft, 99),
+    }
 
 
 def engine_figures(samples: list[tuple[float, dict]], window: Window) -> dict:
@@ -150,23 +189,39 @@ def engine_figures(samples: list[tuple[float, dict]], window: Window) -> dict:
     correction = [s["cpu_correction"] or 1.0 for s in inside]
     slowdown = [s["offload_slowdown"] or 1.0 for s in inside]
     behind = sum(max(c, s) > CPU_BEHIND for c, s in zip(correction, slowdown))
-    return {"cpu_decode_share": delta["cpu_decode_tokens"] / max(1, delta["generation_tokens"]), **delta,
-            "mean_cpu_requests": statistics.mean(s["requests_cpu_decode"] for s in inside),
-            "max_cpu_correction": max(correction), "max_offload_slowdown": max(slowdown),
-            "cpu_behind_fraction": behind / len(inside), "stats_at_end": without_last_iteration(last)}
+    return {
+        "cpu_decode_share": delta["cpu_decode_tokens"] / max(1, delta["generation_tokens"]),
+        **delta,
+        "mean_cpu_requests": statistics.mean(s["requests_cpu_decode"] for s in inside),
+        "max_cpu_correction": max(correction),
+        "max_offload_slowdown": max(slowdown),
+        "cpu_behind_fraction": behind / len(inside),
+        "stats_at_end": without_last_iteration(last),
+    }
 
 
 def run_policy(args: argparse.Namespace, policy: str) -> dict:
     front = start_engine(args, policy)
     total = args.warmup_seconds + 3 * args.phase_seconds
-    trace = [t for t in make_trace(math.ceil(1.5 * args.rate * total) + 10, args.rate, args.workload,
-                                   trace_vocab(front), args.seed, tuple(args.fixed)) if t[0] < total]
+    trace = [
+        t
+        for t in make_trace(
+            math.ceil(1.5 * args.rate * total) + 10,
+            args.rate,
+            args.workload,
+            trace_vocab(front),
+            args.seed,
+            tuple(args.fixed),
+        )
+        if t[0] < total
+    ]
     try:
         windows, records, samples = drive(front, trace, args)
     finally:
         front.shutdown()
-    phases = {name: {**request_figures(records, windows[name]), **engine_figures(samples, windows[name])}
-              for name in PHASES}
+    phases = {
+        name: {**request_figures(records, windows[name]), **engine_figures(samples, windows[name])} for name in PHASES
+    }
     return {"num_gpu_blocks": front.engine.gpu_blocks.num_blocks, "requests_sent": len(trace), "phases": phases}
 
 
@@ -178,14 +233,20 @@ def ratio(result: dict, phase: str) -> float:
 def print_policy(policy: str, result: dict) -> None:
     for name in PHASES:
         p = result["phases"][name]
-        print(f"{policy:7s} {name:10s}: {p['requests']:4d} req {p['output_tokens_per_s']:7.1f} tok/s  "
-              f"TPOT p50 {p['tpot_p50_s']} p99 {p['tpot_p99_s']}  TTFT p99 {p['ttft_p99_s']}  "
-              f"cpu share {p.get('cpu_decode_share', float('nan')):.3f}  "
-              f"behind {p.get('cpu_behind_fraction', float('nan')):.2f}  "
-              f"max cpu_correction {p.get('max_cpu_correction')} offload_slowdown {p.get('max_offload_slowdown')}  "
-              f"preemptions {p.get('preemptions')}", flush=True)
-    print(f"{policy:7s} P99 TPOT contention/quiet {ratio(result, 'contention'):.3f}  "
-          f"recovery/quiet {ratio(result, 'recovery'):.3f}", flush=True)
+        print(
+            f"{policy:7s} {name:10s}: {p['requests']:4d} req {p['output_tokens_per_s']:7.1f} tok/s  "
+            f"TPOT p50 {p['tpot_p50_s']} p99 {p['tpot_p99_s']}  TTFT p99 {p['ttft_p99_s']}  "
+            f"cpu share {p.get('cpu_decode_share', float('nan')):.3f}  "
+            f"behind {p.get('cpu_behind_fraction', float('nan')):.2f}  "
+            f"max cpu_correction {p.get('max_cpu_correction')} offload_slowdown {p.get('max_offload_slowdown')}  "
+            f"preemptions {p.get('preemptions')}",
+            flush=True,
+        )
+    print(
+        f"{policy:7s} P99 TPOT contention/quiet {ratio(result, 'contention'):.3f}  "
+        f"recovery/quiet {ratio(result, 'recovery'):.3f}",
+        flush=True,
+    )
 
 
 def main() -> int:
@@ -194,8 +255,12 @@ def main() -> int:
     parser.add_argument("--rate", type=float, default=6.0, help="requests/s of the Poisson load")
     parser.add_argument("--phase-seconds", type=float, default=40.0, help="length of quiet, contention, recovery")
     parser.add_argument("--warmup-seconds", type=float, default=10.0, help="load before the quiet window")
-    parser.add_argument("--hog-kind", choices=list(HOG_CODE), default="memory",
-                        help="memory: copy buffers beyond the LLC (CPU time and memory bandwidth); compute: CPU time")
+    parser.add_argument(
+        "--hog-kind",
+        choices=list(HOG_CODE),
+        default="memory",
+        help="memory: copy buffers beyond the LLC (CPU time and memory bandwidth); compute: CPU time",
+    )
     parser.add_argument("--hogs", type=int, help="busy processes (default: one per core they may use)")
     parser.add_argument("--workload", choices=["a10g", "fixed"], default="a10g")
     parser.add_argument("--fixed", nargs=2, type=int, default=[256, 128], metavar=("INPUT", "OUTPUT"))
@@ -209,10 +274,14 @@ def main() -> int:
         results[policy] = run_policy(args, policy)
         ratios[policy] = ratio(results[policy], "contention")
         print_policy(policy, results[policy])
-        if args.json:   # after each policy, so that a run cut short still leaves what it measured
-            args.json.write_text(json.dumps({"p99_tpot_ratio": ratios, "results": results,
-                                             "args": {k: str(v) for k, v in vars(args).items()}},
-                                            indent=1, default=str))
+        if args.json:  # after each policy, so that a run cut short still leaves what it measured
+            args.json.write_text(
+                json.dumps(
+                    {"p99_tpot_ratio": ratios, "results": results, "args": {k: str(v) for k, v in vars(args).items()}},
+                    indent=1,
+                    default=str,
+                )
+            )
     print(" ".join(f"{p}_p99_tpot_ratio={r:.3f}" for p, r in ratios.items()))
     return 0
 

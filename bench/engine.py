@@ -13,6 +13,7 @@ partition, and the script exits with status 1.
 
     python bench/engine.py --device cuda --roofline --gpu-sm-count 8   # an A10G-class partition of the H200
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-
 from common import LLAMA3_8B, device_copy_bandwidth, matmul_flops  # noqa: E402
+
 from neo_backend import EngineConfig, LLMEngine  # noqa: E402
 
 
@@ -57,12 +58,15 @@ def run_trace(engine: LLMEngine, num_requests: int, prompt_len: int, output_len:
             decode_steps.append(dt)
     total = time.perf_counter() - start
     return {
-        "requests": num_requests, "prompt_len": prompt_len, "output_len": output_len,
+        "requests": num_requests,
+        "prompt_len": prompt_len,
+        "output_len": output_len,
         "prefill_tokens_per_s": prefill_tokens / prefill_time if prefill_time else None,
         "decode_tokens_per_s": decode_tokens / decode_time if decode_time else None,
         "output_tokens_per_s": num_requests * output_len / total,
         "decode_step_median_ms": 1e3 * statistics.median(decode_steps) if decode_steps else None,
-        "prefill_time_s": prefill_time, "total_s": total,
+        "prefill_time_s": prefill_time,
+        "total_s": total,
     }
 
 
@@ -80,14 +84,19 @@ def roofline(engine: LLMEngine) -> dict:
     decode_s = decode["decode_step_median_ms"] / 1e3
 
     prefill = run_trace(engine, 8, 1000, 1, seed=2)
-    linear_params = sum(p.numel() for n, p in engine.runner.model.named_parameters()
-                        if n.endswith("proj.weight") or n == "lm_head.weight")
+    linear_params = sum(
+        p.numel()
+        for n, p in engine.runner.model.named_parameters()
+        if n.endswith("proj.weight") or n == "lm_head.weight"
+    )
     tokens = 8 * 1000
     attention_flops = 8 * cfg.num_layers * 2 * 2 * cfg.num_heads * cfg.head_dim * 1000 * 1000 / 2
     prefill_flops = 2 * linear_params * tokens + attention_flops
     return {
-        "copy_bandwidth_GBps": copy_bw / 1e9, "matmul_TFLOPs": peak / 1e12,
-        "decode_step_ms": decode_s * 1e3, "decode_floor_ms": floor_s * 1e3,
+        "copy_bandwidth_GBps": copy_bw / 1e9,
+        "matmul_TFLOPs": peak / 1e12,
+        "decode_step_ms": decode_s * 1e3,
+        "decode_floor_ms": floor_s * 1e3,
         "decode_step_over_floor": decode_s / floor_s,
         "decode_tokens_per_s": decode["decode_tokens_per_s"],
         "prefill_s": prefill["prefill_time_s"],
@@ -98,6 +107,7 @@ def roofline(engine: LLMEngine) -> dict:
 def profile(engine: LLMEngine, num_requests: int, prompt_len: int, output_len: int) -> None:
     """Print the kernels that take the device's time over a short trace (prefill and decode steps)."""
     from torch.profiler import ProfilerActivity
+
     run_trace(engine, 2, 16, 2)
     with torch.profiler.profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         run_trace(engine, num_requests, prompt_len, output_len, seed=3)
@@ -121,8 +131,11 @@ def main() -> int:
         args.offload_policy = args.offload_policy or "never"
     config = EngineConfig.from_cli_args(args)
     engine = LLMEngine(config)
-    result = {"device": str(engine.runner.device), "dtype": str(engine.runner.dtype),
-              "model": config.model or "default (SmolLM2-135M-Instruct)"}
+    result = {
+        "device": str(engine.runner.device),
+        "dtype": str(engine.runner.dtype),
+        "model": config.model or "default (SmolLM2-135M-Instruct)",
+    }
     if engine.runner.device.type == "cuda":
         result["gpu"] = torch.cuda.get_device_name(engine.runner.device)
     if args.profile:
@@ -137,8 +150,10 @@ def main() -> int:
     for key, value in result.items():
         print(f"{key:32s} {value:.4g}" if isinstance(value, float) else f"{key:32s} {value}")
     if args.roofline and result["decode_step_over_floor"] < 1.0:
-        print(f"FAIL: the decode step ran faster than its floor at the measured {result['copy_bandwidth_GBps']:.0f} "
-              f"GB/s: work escaped the engine's stream (and its SM partition)")
+        print(
+            f"FAIL: the decode step ran faster than its floor at the measured {result['copy_bandwidth_GBps']:.0f} "
+            f"GB/s: work escaped the engine's stream (and its SM partition)"
+        )
         return 1
     return 0
 

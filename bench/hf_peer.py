@@ -18,6 +18,7 @@ Systems, run in this order (the transformers model is freed before the engine st
 Each system runs a small warm-up batch before the timed one. A system that fails records its error in the
 JSON (written after each system) and the others still run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,20 +29,20 @@ import logging
 import random
 import sys
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-
 from common import LLAMA3_8B  # noqa: E402
-from neo_backend import EngineConfig, LLMEngine  # noqa: E402
-from neo_backend.models.loader import load_tokenizer, read_model_config, resolve_source  # noqa: E402
-from neo_backend.executor.model_runner import resolve_device, resolve_dtype  # noqa: E402
 from timing import sync  # noqa: E402
+
+from neo_backend import EngineConfig, LLMEngine  # noqa: E402
+from neo_backend.executor.model_runner import resolve_device, resolve_dtype  # noqa: E402
+from neo_backend.models.loader import load_tokenizer, read_model_config, resolve_source  # noqa: E402
 
 SYSTEMS = ("hf_generate", "hf_generate_batch", "neo")
 WARMUP_PROMPT_LEN, WARMUP_OUTPUT_LEN = 16, 4
@@ -86,8 +87,9 @@ def run_manager(manager, prompts: list[list[int]], output_len: int) -> tuple[flo
         result = manager.get_result(timeout=1)
         if result is None:
             if not manager.is_running():
-                raise RuntimeError(f"the generation thread stopped after {len(finished)} of {len(request_ids)} "
-                                   f"requests")
+                raise RuntimeError(
+                    f"the generation thread stopped after {len(finished)} of {len(request_ids)} requests"
+                )
             continue
         if result.error:
             raise RuntimeError(f"request {result.request_id}: {result.error}")
@@ -116,12 +118,16 @@ def hf_generate_batch(model, prompts: list[list[int]], output_len: int) -> dict:
 
     # eos_token_id -1: no EOS, every request stops at max_new_tokens (see RequestState in transformers 5.x)
     gen_config = GenerationConfig(max_new_tokens=output_len, do_sample=False, eos_token_id=-1)
-    hints = WorkloadHints(max_prompt_length=max(map(len, prompts)), max_generated_length=output_len,
-                          num_requests=len(prompts))
+    hints = WorkloadHints(
+        max_prompt_length=max(map(len, prompts)), max_generated_length=output_len, num_requests=len(prompts)
+    )
     start = time.perf_counter()
     with model.continuous_batching_context_manager(
-            generation_config=gen_config, continuous_batching_config=cb_config(model, prompts, output_len),
-            workload_hints=hints, warmup=model.device.type == "cuda") as manager:
+        generation_config=gen_config,
+        continuous_batching_config=cb_config(model, prompts, output_len),
+        workload_hints=hints,
+        warmup=model.device.type == "cuda",
+    ) as manager:
         setup_s = time.perf_counter() - start
         attn_implementation = model.config._attn_implementation
         run_manager(manager, [p[:WARMUP_PROMPT_LEN] for p in prompts[:2]], WARMUP_OUTPUT_LEN)
@@ -130,8 +136,14 @@ def hf_generate_batch(model, prompts: list[list[int]], output_len: int) -> dict:
 
 
 def generate_static(model, prompts: torch.Tensor, output_len: int) -> int:
-    out = model.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=output_len,
-                         min_new_tokens=output_len, do_sample=False, pad_token_id=0)
+    out = model.generate(
+        input_ids=prompts,
+        attention_mask=torch.ones_like(prompts),
+        max_new_tokens=output_len,
+        min_new_tokens=output_len,
+        do_sample=False,
+        pad_token_id=0,
+    )
     return out.shape[0] * (out.shape[1] - prompts.shape[1])
 
 
@@ -143,7 +155,7 @@ def hf_generate(model, prompts: list[list[int]], output_len: int) -> dict:
     while True:
         try:
             start = time.perf_counter()
-            tokens = sum(generate_static(model, ids[i:i + batch], output_len) for i in range(0, len(prompts), batch))
+            tokens = sum(generate_static(model, ids[i : i + batch], output_len) for i in range(0, len(prompts), batch))
             sync(model.device)
             return {"wall_s": time.perf_counter() - start, "output_tokens": tokens, "batch_size": batch}
         except torch.OutOfMemoryError:
@@ -162,9 +174,14 @@ def neo(config: EngineConfig, prompts: list[list[int]], output_len: int) -> dict
     start = time.perf_counter()
     outputs = engine.generate(prompts, {**params, "max_tokens": output_len})
     wall_s = time.perf_counter() - start
-    return {"wall_s": wall_s, "output_tokens": sum(len(o.token_ids) for o in outputs), "setup_s": setup_s,
-            "offload_policy": config.offload_policy, "max_num_seqs": config.max_num_seqs,
-            "max_num_batched_tokens": config.max_num_batched_tokens}
+    return {
+        "wall_s": wall_s,
+        "output_tokens": sum(len(o.token_ids) for o in outputs),
+        "setup_s": setup_s,
+        "offload_policy": config.offload_policy,
+        "max_num_seqs": config.max_num_seqs,
+        "max_num_batched_tokens": config.max_num_batched_tokens,
+    }
 
 
 def error_text(exc: Exception) -> str:
@@ -182,8 +199,14 @@ def attempt(name: str, run: Callable[[], dict]) -> dict:
     return result
 
 
-def run_hf(names: list[str], config: EngineConfig, prompts: list[list[int]], output_len: int, report: dict,
-           json_path: Path | None) -> None:
+def run_hf(
+    names: list[str],
+    config: EngineConfig,
+    prompts: list[list[int]],
+    output_len: int,
+    report: dict,
+    json_path: Path | None,
+) -> None:
     """The transformers systems on one model, freed afterwards."""
     runners = {"hf_generate": hf_generate, "hf_generate_batch": hf_generate_batch}
     device = torch.device(config.device)
@@ -264,20 +287,29 @@ def main() -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = engine_config(args)
     prompts = make_prompts(args.num_requests, args.prompt_len, prompt_vocab(config), args.seed)
-    report = {"device": config.device, "model": config.model, "num_requests": args.num_requests,
-              "prompt_len": args.prompt_len, "output_len": args.output_len,
-              "expected_output_tokens": args.num_requests * args.output_len, "systems": {}}
+    report = {
+        "device": config.device,
+        "model": config.model,
+        "num_requests": args.num_requests,
+        "prompt_len": args.prompt_len,
+        "output_len": args.output_len,
+        "expected_output_tokens": args.num_requests * args.output_len,
+        "systems": {},
+    }
     if config.device == "cuda":
         report["gpu"] = torch.cuda.get_device_name()
     import transformers
+
     report["versions"] = {"torch": torch.__version__, "transformers": transformers.__version__}
     run_systems(args, config, prompts, report)
     summarize(report)
     write_report(args.json, report)
     print_table(report)
-    print(f"neo_tok_s={fmt(report['neo_tok_s'])} hf_generate_batch_tok_s={fmt(report['hf_generate_batch_tok_s'])} "
-          f"hf_generate_tok_s={fmt(report['hf_generate_tok_s'])} "
-          f"over_hf_transformers={fmt(report['over_hf_transformers'])}")
+    print(
+        f"neo_tok_s={fmt(report['neo_tok_s'])} hf_generate_batch_tok_s={fmt(report['hf_generate_batch_tok_s'])} "
+        f"hf_generate_tok_s={fmt(report['hf_generate_tok_s'])} "
+        f"over_hf_transformers={fmt(report['over_hf_transformers'])}"
+    )
     return 0
 
 

@@ -19,6 +19,7 @@ Last line: `kv_read_GBps=<x> stream_read_GBps=<y> ratio=<x/y>`. `--sweep` also w
 bench/results/kernel_sweep_<hostname>.csv over threads, batch, context and dtype.
 Dependencies: torch and the standard library only.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,11 +38,12 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from kernel_helpers import reference_paged_decode_attention  # noqa: E402
+from timing import median_seconds  # noqa: E402
+
 from neo_backend.cpu import build, library  # noqa: E402
 from neo_backend.cpu.ops import Kernels  # noqa: E402
 from neo_backend.cpu.validation import check_tensor  # noqa: E402
 from neo_backend.executor.host_pool import huge_page_tensor  # noqa: E402
-from timing import median_seconds  # noqa: E402
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 # Working sets are kept at >= 8x the LLC: a large LLC (300 MiB on the H200 host) otherwise keeps part of
@@ -67,8 +69,17 @@ def llc_bytes() -> int:
 class Case:
     """A decode batch over a shuffled paged KV pool holding several copies of the batch's KV."""
 
-    def __init__(self, batch: int, context: int, hq: int, hkv: int, head_dim: int, dtype: torch.dtype,
-                 block_size: int, seed: int = 0) -> None:
+    def __init__(
+        self,
+        batch: int,
+        context: int,
+        hq: int,
+        hkv: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        block_size: int,
+        seed: int = 0,
+    ) -> None:
         gen = torch.Generator().manual_seed(seed)
         blocks_per_seq = math.ceil(context / block_size)
         elt = torch.tensor([], dtype=dtype).element_size()
@@ -82,7 +93,8 @@ class Case:
         perm = torch.randperm(num_blocks, generator=gen).to(torch.int32)
         self.tables = [t.reshape(batch, blocks_per_seq).contiguous() for t in perm.chunk(copies)]
         self.hot_table = (torch.arange(batch * blocks_per_seq, dtype=torch.int32) % HOT_BLOCKS).reshape(
-            batch, blocks_per_seq)
+            batch, blocks_per_seq
+        )
         self.context_lens = torch.full((batch,), context, dtype=torch.int32)
         self.q = torch.randn(batch, hq, head_dim, generator=gen).to(dtype)
         self.out = torch.empty_like(self.q)
@@ -93,16 +105,19 @@ class Case:
         """One call over block table `table`: one of `tables` or `hot_table` (default: the next KV copy's)."""
         if table is None:
             table, self._next = self.tables[self._next], (self._next + 1) % len(self.tables)
-        kernels.paged_decode_attention(self.q, self.k_cache, self.v_cache, table, self.context_lens, self.scale,
-                                       out=self.out)
+        kernels.paged_decode_attention(
+            self.q, self.k_cache, self.v_cache, table, self.context_lens, self.scale, out=self.out
+        )
 
     def check(self, kernels: Kernels) -> float:
         """Max relative error (per output row) against the float64 reference, on fp32 queries."""
         q = self.q.float()
-        out = kernels.paged_decode_attention(q, self.k_cache, self.v_cache, self.tables[0], self.context_lens,
-                                             self.scale)
-        ref = reference_paged_decode_attention(q, self.k_cache, self.v_cache, self.tables[0], self.context_lens,
-                                               self.scale)
+        out = kernels.paged_decode_attention(
+            q, self.k_cache, self.v_cache, self.tables[0], self.context_lens, self.scale
+        )
+        ref = reference_paged_decode_attention(
+            q, self.k_cache, self.v_cache, self.tables[0], self.context_lens, self.scale
+        )
         return float(((out.double() - ref).abs().amax(-1) / ref.abs().amax(-1)).max())
 
 
@@ -150,15 +165,25 @@ def sweep(buf: torch.Tensor, max_threads: int, rounds: int, path: pathlib.Path) 
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["threads", "batch", "context", "dtype", "kv_MB", "kernel_ms", "kv_read_GBps",
-                    "stream_read_GBps", "ratio"])
+        w.writerow(
+            ["threads", "batch", "context", "dtype", "kv_MB", "kernel_ms", "kv_read_GBps", "stream_read_GBps", "ratio"]
+        )
         for dtype in DTYPES:
             for batch, context in ((8, 1024), (32, 1024), (32, 4096), (1, 16384), (64, 512)):
                 case = Case(batch, context, 32, 8, 128, DTYPES[dtype], 16)
                 for threads in thread_counts:
                     kv, st = measure(case, buf, Kernels(library.default(), threads), rounds, reps=5)
-                    row = [threads, batch, context, dtype, round(case.kv_bytes / 2**20, 1),
-                           round(case.kv_bytes / kv / 1e6, 3), round(kv, 2), round(st, 2), round(kv / st, 3)]
+                    row = [
+                        threads,
+                        batch,
+                        context,
+                        dtype,
+                        round(case.kv_bytes / 2**20, 1),
+                        round(case.kv_bytes / kv / 1e6, 3),
+                        round(kv, 2),
+                        round(st, 2),
+                        round(kv / st, 3),
+                    ]
                     w.writerow(row)
                     f.flush()
                     print("sweep", *row, flush=True)
@@ -170,15 +195,22 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=None, help="default: the cores this process may use")
     parser.add_argument("--rounds", type=int, default=9, help="interleaved kernel/stream rounds")
     parser.add_argument("--sweep", action="store_true", help="also sweep threads x batch x context x dtype to CSV")
-    parser.add_argument("--sweep-out", type=pathlib.Path, default=None,
-                        help="sweep CSV path (default: bench/results/kernel_sweep_<hostname>.csv)")
+    parser.add_argument(
+        "--sweep-out",
+        type=pathlib.Path,
+        default=None,
+        help="sweep CSV path (default: bench/results/kernel_sweep_<hostname>.csv)",
+    )
     args = parser.parse_args()
     threads = args.threads or len(os.sched_getaffinity(0))
     kernels = Kernels(library.default(), threads)
 
-    print(f"library {build.build()}; SIMD path {library.active_isa(kernels.lib)}; threads {threads}; "
-          f"host {socket.gethostname()}; torch {torch.__version__}; LLC {llc_bytes() >> 20} MiB; "
-          f"load average {os.getloadavg()[0]:.2f}", flush=True)
+    print(
+        f"library {build.build()}; SIMD path {library.active_isa(kernels.lib)}; threads {threads}; "
+        f"host {socket.gethostname()}; torch {torch.__version__}; LLC {llc_bytes() >> 20} MiB; "
+        f"load average {os.getloadavg()[0]:.2f}",
+        flush=True,
+    )
     case = bench_case()
     err = case.check(kernels)
     print(f"check vs float64 reference: max rel err {err:.2e}", flush=True)
@@ -187,15 +219,22 @@ def main() -> int:
         return 1
     buf = huge_page_tensor((max(1 << 30, LLC_MULTIPLE * llc_bytes()) // 4,), torch.float32).fill_(1.0)
     if args.sweep:
-        sweep(buf, threads, max(3, args.rounds // 3),
-              args.sweep_out or ROOT / "bench" / "results" / f"kernel_sweep_{socket.gethostname()}.csv")
+        sweep(
+            buf,
+            threads,
+            max(3, args.rounds // 3),
+            args.sweep_out or ROOT / "bench" / "results" / f"kernel_sweep_{socket.gethostname()}.csv",
+        )
     kv, st = measure(case, buf, kernels, args.rounds, reps=7)
     hot = hot_gbps(case, kernels, args.rounds, reps=7)
-    print(f"{BENCH_SHAPE}: {case.kv_bytes / 2**20:.0f} MiB KV per call, "
-          f"{case.kv_bytes / kv / 1e6:.2f} ms per call (median of {args.rounds} rounds); "
-          f"load average {os.getloadavg()[0]:.2f}")
-    print(f"kv_hot_GBps={hot:.2f} (KV in L2: the arithmetic ceiling; from DRAM the kernel reaches {kv / hot:.2f} "
-          "of it)")
+    print(
+        f"{BENCH_SHAPE}: {case.kv_bytes / 2**20:.0f} MiB KV per call, "
+        f"{case.kv_bytes / kv / 1e6:.2f} ms per call (median of {args.rounds} rounds); "
+        f"load average {os.getloadavg()[0]:.2f}"
+    )
+    print(
+        f"kv_hot_GBps={hot:.2f} (KV in L2: the arithmetic ceiling; from DRAM the kernel reaches {kv / hot:.2f} of it)"
+    )
     print(f"kv_read_GBps={kv:.2f} stream_read_GBps={st:.2f} ratio={kv / st:.3f}")
     return 0
 

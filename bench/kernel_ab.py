@@ -9,6 +9,7 @@ resolves a few percent where two separate runs of bench/kernel.py cannot. Both r
 binding's ABI.
 Dependencies: torch, git, tar and the standard library.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,9 +25,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from kernel import BENCH_SHAPE, Case, bench_case  # noqa: E402
+from timing import median_seconds  # noqa: E402
+
 from neo_backend.cpu import build, library  # noqa: E402
 from neo_backend.cpu.ops import Kernels  # noqa: E402
-from timing import median_seconds  # noqa: E402
 
 WORKING_TREE = "worktree"
 
@@ -38,8 +40,9 @@ def kernel_dir_at(rev: str, scratch: pathlib.Path) -> pathlib.Path:
         return build.KERNEL_DIR
     if (pathlib.Path(rev) / build.MAIN_SOURCE).is_file():
         return pathlib.Path(rev)
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "kernels"], capture_output=True, check=True,
-                             timeout=60).stdout
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", rev, "kernels"], capture_output=True, check=True, timeout=60
+    ).stdout
     target = scratch / rev.replace("/", "_")
     target.mkdir()
     subprocess.run(["tar", "-x", "-C", str(target)], input=archive, check=True, timeout=60)
@@ -53,16 +56,22 @@ def timed_call(case: Case, kernels: Kernels, table: int) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("rev_a", help="git revision (or kernels/ folder) of build A")
-    parser.add_argument("rev_b", nargs="?", default=WORKING_TREE, help="git revision (or kernels/ folder) of "
-                        "build B (default: the working tree)")
+    parser.add_argument(
+        "rev_b",
+        nargs="?",
+        default=WORKING_TREE,
+        help="git revision (or kernels/ folder) of build B (default: the working tree)",
+    )
     parser.add_argument("--threads", type=int, default=None, help="default: the cores this process may use")
     parser.add_argument("--pairs", type=int, default=60)
     args = parser.parse_args()
     threads = args.threads or len(os.sched_getaffinity(0))
 
     with tempfile.TemporaryDirectory() as scratch:
-        builds = [Kernels(library.load(build.build(kernel_dir=kernel_dir_at(rev, pathlib.Path(scratch)))), threads)
-                  for rev in (args.rev_a, args.rev_b)]
+        builds = [
+            Kernels(library.load(build.build(kernel_dir=kernel_dir_at(rev, pathlib.Path(scratch)))), threads)
+            for rev in (args.rev_a, args.rev_b)
+        ]
     case = bench_case()
     for kernels in builds * 2:  # warm-up: thread teams, page faults
         timed_call(case, kernels, 0)
@@ -75,9 +84,11 @@ def main() -> int:
         for i in (0, 1):
             speeds[i].append(case.kv_bytes / seconds[i] / 1e9)
     q1, median, q3 = statistics.quantiles(ratios, n=4)
-    print(f"{BENCH_SHAPE}, {threads} threads, {args.pairs} pairs: "
-          f"A ({args.rev_a}) {statistics.median(speeds[0]):.2f} GB/s, B ({args.rev_b}) "
-          f"{statistics.median(speeds[1]):.2f} GB/s (medians)")
+    print(
+        f"{BENCH_SHAPE}, {threads} threads, {args.pairs} pairs: "
+        f"A ({args.rev_a}) {statistics.median(speeds[0]):.2f} GB/s, B ({args.rev_b}) "
+        f"{statistics.median(speeds[1]):.2f} GB/s (medians)"
+    )
     print(f"speed_B_over_A={median:.3f} quartiles={q1:.3f}-{q3:.3f}")
     return 0
 

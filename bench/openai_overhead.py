@@ -9,6 +9,7 @@ first non-empty text. Each worker's first pair is a warm-up.
 
     python bench/openai_overhead.py --requests 25 --concurrency 8
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,8 +19,8 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Awaitable, Callable
 
 import openai
 
@@ -37,6 +38,7 @@ def direct(client: AsyncNeoClient, output_tokens: int) -> Request:
         result = await client.generate(prompt, {"max_tokens": output_tokens, "temperature": 0, "ignore_eos": True})
         assert result.ttft is not None and result.num_output_tokens == output_tokens
         return result.ttft
+
     return one
 
 
@@ -44,20 +46,28 @@ def through_gateway(api: openai.AsyncOpenAI, model: str, output_tokens: int) -> 
     async def one(prompt: str) -> float:
         start = time.perf_counter()
         ttft = None
-        stream = await api.completions.create(model=model, prompt=prompt, max_tokens=output_tokens, temperature=0,
-                                              stream=True, extra_body={"ignore_eos": True})
+        stream = await api.completions.create(
+            model=model,
+            prompt=prompt,
+            max_tokens=output_tokens,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
         async for chunk in stream:
             if ttft is None and chunk.choices and chunk.choices[0].text:
                 ttft = time.perf_counter() - start
         assert ttft is not None
         return ttft
+
     return one
 
 
 async def run(args: argparse.Namespace) -> dict:
     async with AsyncNeoClient(args.url, args.model, timeout=args.timeout) as client:
-        api = openai.AsyncOpenAI(base_url=f"{args.openai_url}/v1", api_key=args.api_key or "unused",
-                                 timeout=args.timeout, max_retries=0)
+        api = openai.AsyncOpenAI(
+            base_url=f"{args.openai_url}/v1", api_key=args.api_key or "unused", timeout=args.timeout, max_retries=0
+        )
         await client.check_ready()
         gateway = through_gateway(api, args.model, args.output_tokens)
         grpc = direct(client, args.output_tokens)
@@ -74,8 +84,15 @@ async def run(args: argparse.Namespace) -> dict:
         await asyncio.gather(*(worker(args.seed + w) for w in range(args.concurrency)))
         await api.close()
     by_path = {"gateway": [g for g, _ in pairs], "direct": [d for _, d in pairs]}
-    report: dict = {name: {"median_ms": statistics.median(v) * 1000, "p90_ms": _quantile(v, 0.9) * 1000,
-                           "mean_ms": statistics.fmean(v) * 1000, "requests": len(v)} for name, v in by_path.items()}
+    report: dict = {
+        name: {
+            "median_ms": statistics.median(v) * 1000,
+            "p90_ms": _quantile(v, 0.9) * 1000,
+            "mean_ms": statistics.fmean(v) * 1000,
+            "requests": len(v),
+        }
+        for name, v in by_path.items()
+    }
     report["gateway_minus_direct_median_ms"] = report["gateway"]["median_ms"] - report["direct"]["median_ms"]
     report["median_of_paired_differences_ms"] = statistics.median(g - d for g, d in pairs) * 1000
     report["settings"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "api_key"}
@@ -105,10 +122,14 @@ def main() -> int:
     report = asyncio.run(run(args))
     for name in ("direct", "gateway"):
         r = report[name]
-        print(f"{name:<8} TTFT median {r['median_ms']:7.1f} ms  p90 {r['p90_ms']:7.1f} ms  mean {r['mean_ms']:7.1f} ms"
-              f"  ({r['requests']} requests)")
-    print(f"gateway - direct, median TTFT: {report['gateway_minus_direct_median_ms']:+.1f} ms; median of the paired "
-          f"differences: {report['median_of_paired_differences_ms']:+.1f} ms")
+        print(
+            f"{name:<8} TTFT median {r['median_ms']:7.1f} ms  p90 {r['p90_ms']:7.1f} ms  mean {r['mean_ms']:7.1f} ms"
+            f"  ({r['requests']} requests)"
+        )
+    print(
+        f"gateway - direct, median TTFT: {report['gateway_minus_direct_median_ms']:+.1f} ms; median of the paired "
+        f"differences: {report['median_of_paired_differences_ms']:+.1f} ms"
+    )
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     return 0

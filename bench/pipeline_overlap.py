@@ -9,6 +9,7 @@
 
 Prints, per CPU batch size, pipelined / max(GPU alone, CPU alone); 1.0 is perfect overlap.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,14 +23,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-
 from common import LLAMA3_8B, placed_sequence, take_blocks  # noqa: E402
+from timing import median_seconds  # noqa: E402
+
 from neo_backend import EngineConfig, LLMEngine  # noqa: E402
+from neo_backend.core.sequence import Placement  # noqa: E402
 from neo_backend.cpu.handoff import Flags, IterationLane  # noqa: E402
 from neo_backend.executor.host_attention import HostAttention, HostDecodeBatch  # noqa: E402
 from neo_backend.executor.pipeline import PipelinedExecutor  # noqa: E402
-from neo_backend.core.sequence import Placement  # noqa: E402
-from timing import median_seconds  # noqa: E402
 
 
 def host_steps(lanes: list[IterationLane], num_layers: int):
@@ -56,8 +57,18 @@ class CapturingHostAttention(HostAttention):
             if layer == 0:
                 always_ready = Flags(num_layers, 0.0)
                 always_ready.values[:] = 1
-                self.lanes.append(IterationLane(lane.q.clone(), lane.k.clone(), lane.v.clone(), lane.out.clone(),
-                                                lane.block_tables, lane.context_lens, lane.slots, always_ready))
+                self.lanes.append(
+                    IterationLane(
+                        lane.q.clone(),
+                        lane.k.clone(),
+                        lane.v.clone(),
+                        lane.out.clone(),
+                        lane.block_tables,
+                        lane.context_lens,
+                        lane.slots,
+                        always_ready,
+                    )
+                )
             batch = HostDecodeBatch(lane.block_tables, lane.context_lens, lane.slots)
             self.run(layer, batch, lane.q, lane.k, lane.v, lane.out)
             done.set(step)
@@ -81,10 +92,14 @@ def build_iteration(engine: LLMEngine, gpu_decodes: int, cpu_decodes: int, conte
     vocab = engine.model_config.vocab_size
     gpu_pool = take_blocks(runner.num_gpu_blocks, gpu_decodes * per_seq, rng)
     cpu_pool = take_blocks(runner.num_cpu_blocks, cpu_decodes * per_seq, rng)
-    gpu = [placed_sequence(f"g{i}", context, gpu_pool[i * per_seq:(i + 1) * per_seq], Placement.GPU, vocab)
-           for i in range(gpu_decodes)]
-    cpu = [placed_sequence(f"c{i}", context, cpu_pool[i * per_seq:(i + 1) * per_seq], Placement.CPU, vocab)
-           for i in range(cpu_decodes)]
+    gpu = [
+        placed_sequence(f"g{i}", context, gpu_pool[i * per_seq : (i + 1) * per_seq], Placement.GPU, vocab)
+        for i in range(gpu_decodes)
+    ]
+    cpu = [
+        placed_sequence(f"c{i}", context, cpu_pool[i * per_seq : (i + 1) * per_seq], Placement.CPU, vocab)
+        for i in range(cpu_decodes)
+    ]
     return [runner.prepare([], gpu, cpu[:split]).sub, runner.prepare([], [], cpu[split:]).sub]
 
 
@@ -111,9 +126,16 @@ def measure(engine: LLMEngine, gpu_decodes: int, cpu_decodes: int, context: int,
         cpu_alone = median_seconds(cpu_part, device=device, warmup=1)
     for executor in (real, instant):
         executor.shutdown()
-    return {"gpu_decodes": gpu_decodes, "cpu_decodes": cpu_decodes, "context": context, "split": split,
-            "pipelined_ms": pipelined * 1e3, "gpu_alone_ms": gpu_alone * 1e3, "cpu_alone_ms": cpu_alone * 1e3,
-            "overlap_ratio": pipelined / max(gpu_alone, cpu_alone)}
+    return {
+        "gpu_decodes": gpu_decodes,
+        "cpu_decodes": cpu_decodes,
+        "context": context,
+        "split": split,
+        "pipelined_ms": pipelined * 1e3,
+        "gpu_alone_ms": gpu_alone * 1e3,
+        "cpu_alone_ms": cpu_alone * 1e3,
+        "overlap_ratio": pipelined / max(gpu_alone, cpu_alone),
+    }
 
 
 def main() -> int:
@@ -134,12 +156,16 @@ def main() -> int:
     rows = [measure(engine, args.gpu_decodes, n, args.context, args.split) for n in args.cpu_decodes]
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
-    print(f"{'gpu':>5} {'cpu':>5} {'split':>5} {'ctx':>6} {'pipelined_ms':>13} {'gpu_alone_ms':>13} "
-          f"{'cpu_alone_ms':>13} ratio")
+    print(
+        f"{'gpu':>5} {'cpu':>5} {'split':>5} {'ctx':>6} {'pipelined_ms':>13} {'gpu_alone_ms':>13} "
+        f"{'cpu_alone_ms':>13} ratio"
+    )
     for r in rows:
-        print(f"{r['gpu_decodes']:5d} {r['cpu_decodes']:5d} {r['split']:5d} {r['context']:6d} "
-              f"{r['pipelined_ms']:13.2f} "
-              f"{r['gpu_alone_ms']:13.2f} {r['cpu_alone_ms']:13.2f} {r['overlap_ratio']:.3f}")
+        print(
+            f"{r['gpu_decodes']:5d} {r['cpu_decodes']:5d} {r['split']:5d} {r['context']:6d} "
+            f"{r['pipelined_ms']:13.2f} "
+            f"{r['gpu_alone_ms']:13.2f} {r['cpu_alone_ms']:13.2f} {r['overlap_ratio']:.3f}"
+        )
     return 0
 
 

@@ -10,6 +10,7 @@ throughputs under the SLO, auto over never. Besides: `decode_step_over_floor` an
 `prefill_fraction_of_matmul_peak` from `bench/engine.py --roofline --json`, and `over_hf_transformers` from
 `bench/hf_peer.py --json`. A missing or unreadable input gives null with a note, not an error.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,10 +24,11 @@ SCENARIOS = {  # name: (default input, title)
     "a_24gb": (RESULTS / "h200_serving_a_24gb.json", "(a) emulated 24 GB GPU"),
     "b_80gb": (RESULTS / "h200_serving_b_80gb.json", "(b) emulated 80 GB GPU"),
     "c_full": (RESULTS / "h200_serving_c_full.json", "(c) full H200"),
-    "d_a10g": (RESULTS / "h200_serving_d_a10g.json",
-               "(d) emulated A10G: 8 of 132 SMs, 24 GB, Llama-3-8B shape"),
-    "e_t4mem": (RESULTS / "h200_serving_e_t4mem.json",
-                "(e) emulated T4 memory: 8 SMs (twice a T4's bandwidth), 16 GB, Llama-2-7B shape"),
+    "d_a10g": (RESULTS / "h200_serving_d_a10g.json", "(d) emulated A10G: 8 of 132 SMs, 24 GB, Llama-3-8B shape"),
+    "e_t4mem": (
+        RESULTS / "h200_serving_e_t4mem.json",
+        "(e) emulated T4 memory: 8 SMs (twice a T4's bandwidth), 16 GB, Llama-2-7B shape",
+    ),
 }
 LATENCY_AXES = (("mean_per_token_latency_s", "mean per-token latency (s)"), ("tpot_p99_s", "P99 TPOT (s)"))
 
@@ -41,6 +43,7 @@ def read_json(path: Path, notes: list[str]) -> dict | None:
 
 def plot_scenario(report: dict, title: str, png: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -48,11 +51,18 @@ def plot_scenario(report: dict, title: str, png: Path) -> None:
     for ax, (key, label) in zip(axes, LATENCY_AXES):
         for index, (policy, rows) in enumerate(report["results"].items()):
             rows = sorted((r for r in rows if r.get(key) is not None), key=lambda r: r["rate"])
-            line, = ax.plot([r["output_tokens_per_s"] for r in rows], [r[key] for r in rows], marker="o",
-                            label=policy)
-            for r in rows:   # the request rate of each point, as the curve may turn back
-                ax.annotate(f"{r['rate']:g}/s", (r["output_tokens_per_s"], r[key]), fontsize=7,
-                            color=line.get_color(), textcoords="offset points", xytext=(4, 4 - 12 * index))
+            (line,) = ax.plot(
+                [r["output_tokens_per_s"] for r in rows], [r[key] for r in rows], marker="o", label=policy
+            )
+            for r in rows:  # the request rate of each point, as the curve may turn back
+                ax.annotate(
+                    f"{r['rate']:g}/s",
+                    (r["output_tokens_per_s"], r[key]),
+                    fontsize=7,
+                    color=line.get_color(),
+                    textcoords="offset points",
+                    xytext=(4, 4 - 12 * index),
+                )
         ax.set_xlabel("throughput (output tokens/s)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
@@ -81,11 +91,14 @@ def scenario_summary(name: str, path: Path, title: str, out_dir: Path) -> dict:
     if report is not None:
         png = out_dir / f"h200_serving_{name}.png"
         plot_scenario(report, title, png)
-        summary.update(neo_over_gpu_only=neo_over_gpu_only(report), plot=_shown(png),
-                       paper_metric=report.get("paper_metric"),
-                       offline_ratios_over_never=report.get("offline_ratios_over_never"),
-                       slo_tpot_p99_s=report.get("slo_tpot_p99_s"),
-                       best_throughput_under_slo=report.get("best_throughput_under_slo"))
+        summary.update(
+            neo_over_gpu_only=neo_over_gpu_only(report),
+            plot=_shown(png),
+            paper_metric=report.get("paper_metric"),
+            offline_ratios_over_never=report.get("offline_ratios_over_never"),
+            slo_tpot_p99_s=report.get("slo_tpot_p99_s"),
+            best_throughput_under_slo=report.get("best_throughput_under_slo"),
+        )
         if summary["neo_over_gpu_only"] is None:
             notes.append("no auto/never ratio in the report (a policy missing, or never met the SLO)")
     if notes:
@@ -111,18 +124,22 @@ def _shown(path: Path) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     for name, (default, title) in SCENARIOS.items():
-        parser.add_argument(f"--serving-{name.split('_')[0]}", type=Path, default=default, dest=name,
-                            help=f"serving.py JSON of {title}")
-    parser.add_argument("--roofline", type=Path, default=RESULTS / "h200_engine_roofline.json",
-                        help="bench/engine.py --roofline JSON")
+        parser.add_argument(
+            f"--serving-{name.split('_')[0]}", type=Path, default=default, dest=name, help=f"serving.py JSON of {title}"
+        )
+    parser.add_argument(
+        "--roofline", type=Path, default=RESULTS / "h200_engine_roofline.json", help="bench/engine.py --roofline JSON"
+    )
     parser.add_argument("--hf-peer", type=Path, default=RESULTS / "h200_hf_peer.json", help="bench/hf_peer.py JSON")
     parser.add_argument("--out-dir", type=Path, default=RESULTS, help="where the PNGs and h200.json go")
     args = parser.parse_args()
     args.out_dir.mkdir(parents=True, exist_ok=True)
     notes: list[str] = []
     summary = {
-        "scenarios": {name: scenario_summary(name, getattr(args, name), title, args.out_dir)
-                      for name, (_, title) in SCENARIOS.items()},
+        "scenarios": {
+            name: scenario_summary(name, getattr(args, name), title, args.out_dir)
+            for name, (_, title) in SCENARIOS.items()
+        },
         **figure(args.roofline, ("decode_step_over_floor", "prefill_fraction_of_matmul_peak"), notes),
         **figure(args.hf_peer, ("over_hf_transformers",), notes),
         "sources": {"roofline": _shown(args.roofline), "hf_peer": _shown(args.hf_peer)},

@@ -12,6 +12,7 @@ comparisons with GPU-only (`never`): the paper's, the highest output tokens/s wh
 stays under 2x GPU-only's at the lightest rate; and the highest whose P99 TPOT stays under the SLO (default
 1.5x GPU-only's P99 TPOT at the lightest rate). --offline adds a run with every request at t=0.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import LLAMA3_8B  # noqa: E402
+
 from neo_backend import EngineConfig  # noqa: E402
 from neo_backend.streaming import StreamingEngine  # noqa: E402
 
@@ -46,8 +48,9 @@ class Record:
     token_times: list[float] = field(default_factory=list)  # perf_counter() at which each output token arrived
 
 
-def make_trace(num: int, rate: float, workload: str, vocab: int, seed: int, fixed: tuple[int, int] = (256, 128)
-               ) -> list[tuple[float, list[int], int]]:
+def make_trace(
+    num: int, rate: float, workload: str, vocab: int, seed: int, fixed: tuple[int, int] = (256, 128)
+) -> list[tuple[float, list[int], int]]:
     """(arrival offset, prompt ids, output tokens): the NEO paper's A10G workload is input 1000, outputs
     uniform 50..400 then +-10%; `fixed` is (input, output) tokens."""
     rng = random.Random(seed)
@@ -134,8 +137,17 @@ class IterationLog:
             if stats["last_iteration"] is last:
                 continue
             last = stats["last_iteration"]
-            keys = ("requests_waiting", "requests_gpu_decode", "requests_cpu_decode", "gpu_blocks_used",
-                    "swap_out_blocks", "swap_in_blocks", "preemptions", "cpu_correction", "offload_slowdown")
+            keys = (
+                "requests_waiting",
+                "requests_gpu_decode",
+                "requests_cpu_decode",
+                "gpu_blocks_used",
+                "swap_out_blocks",
+                "swap_in_blocks",
+                "preemptions",
+                "cpu_correction",
+                "offload_slowdown",
+            )
             row = {"run": self.label, "t": round(time.perf_counter() - t0, 4), **last, **{k: stats[k] for k in keys}}
             self.file.write(json.dumps(row) + "\n")
 
@@ -143,8 +155,11 @@ class IterationLog:
 def decode_batches(before: dict, after: dict) -> dict:
     """Mean decode rows per iteration on each side between two engine stats snapshots."""
     iterations = sum(after["modes"].values()) - sum(before["modes"].values())
-    return {f"mean_{side}_decode_batch": (after[f"{side}_decode_tokens"] - before[f"{side}_decode_tokens"]) /
-            max(iterations, 1) for side in ("gpu", "cpu")}
+    return {
+        f"mean_{side}_decode_batch": (after[f"{side}_decode_tokens"] - before[f"{side}_decode_tokens"])
+        / max(iterations, 1)
+        for side in ("gpu", "cpu")
+    }
 
 
 def summarize(records: list[Record]) -> dict:
@@ -153,23 +168,30 @@ def summarize(records: list[Record]) -> dict:
     ttft = [r.first - r.start for r in done if r.first]
     tpot = [(r.end - r.first) / (r.tokens - 1) for r in done if r.first and r.tokens > 1]
     return {
-        "completed": len(done), "failed": len(records) - len(done),
-        "requests_per_s": len(done) / span, "output_tokens_per_s": sum(r.tokens for r in done) / span,
+        "completed": len(done),
+        "failed": len(records) - len(done),
+        "requests_per_s": len(done) / span,
+        "output_tokens_per_s": sum(r.tokens for r in done) / span,
         "mean_per_token_latency_s": statistics.mean((r.end - r.start) / r.tokens for r in done) if done else None,
-        "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
-        "tpot_p50_s": pct(tpot, 50), "tpot_p99_s": pct(tpot, 99),
+        "ttft_p50_s": pct(ttft, 50),
+        "ttft_p99_s": pct(ttft, 99),
+        "tpot_p50_s": pct(tpot, 50),
+        "tpot_p99_s": pct(tpot, 99),
     }
 
 
 def kv_blocks_for(gpu_memory_gb: float, config: EngineConfig) -> int:
     """KV blocks an emulated GPU of `gpu_memory_gb` has left after bf16 weights and an activation reserve."""
     from neo_backend.config import ModelConfig
+
     cfg = ModelConfig.from_hf(json.loads((Path(config.model) / "config.json").read_text()))
-    params = (cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2) + cfg.num_layers * (
+    params = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2) + cfg.num_layers * (
         cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-        + cfg.num_heads * cfg.head_dim * cfg.hidden_size + 3 * cfg.hidden_size * cfg.intermediate_size))
+        + cfg.num_heads * cfg.head_dim * cfg.hidden_size
+        + 3 * cfg.hidden_size * cfg.intermediate_size
+    )
     block_bytes = 2 * cfg.num_layers * config.block_size * cfg.num_kv_heads * cfg.head_dim * 2
-    free = gpu_memory_gb * 2 ** 30 - 2 * params - ACTIVATION_RESERVE_GB * 2 ** 30
+    free = gpu_memory_gb * 2**30 - 2 * params - ACTIVATION_RESERVE_GB * 2**30
     return max(1, int(free // block_bytes))
 
 
@@ -205,12 +227,20 @@ def main() -> int:
     parser.add_argument("--policies", nargs="+", default=["never", "auto"])
     parser.add_argument("--rates", nargs="+", type=float, default=[1, 2, 4, 8])
     parser.add_argument("--num-requests", type=int, default=200)
-    parser.add_argument("--seconds-per-rate", type=float,
-                        help="instead of --num-requests: rate x this many requests per rate (at least 8)")
-    parser.add_argument("--warmup-seconds", type=float, default=0.0,
-                        help="requests arriving this early in a trace load the server but are left out of its figures")
-    parser.add_argument("--offline", type=int, default=0, metavar="N",
-                        help="also an offline run per policy: N requests, all at t=0")
+    parser.add_argument(
+        "--seconds-per-rate",
+        type=float,
+        help="instead of --num-requests: rate x this many requests per rate (at least 8)",
+    )
+    parser.add_argument(
+        "--warmup-seconds",
+        type=float,
+        default=0.0,
+        help="requests arriving this early in a trace load the server but are left out of its figures",
+    )
+    parser.add_argument(
+        "--offline", type=int, default=0, metavar="N", help="also an offline run per policy: N requests, all at t=0"
+    )
     parser.add_argument("--workload", choices=["a10g", "fixed"], default="a10g")
     parser.add_argument("--fixed", nargs=2, type=int, default=[256, 128], metavar=("INPUT", "OUTPUT"))
     parser.add_argument("--slo-factor", type=float, default=1.5)
@@ -243,12 +273,14 @@ def main() -> int:
         iteration_log.stop()
         after = front.engine.stats_snapshot()
         measured = [r for r, (offset, _, _) in zip(records, trace) if offset >= args.warmup_seconds] or records
-        row = {**summarize(measured), **decode_batches(before, after),
-               "stats": without_last_iteration(after)}
-        print(f"{policy:7s} {label}: {row['requests_per_s']:.2f} req/s {row['output_tokens_per_s']:.0f} tok/s  "
-              f"per-token {row['mean_per_token_latency_s']}  TPOT p99 {row['tpot_p99_s']}  TTFT p50 "
-              f"{row['ttft_p50_s']} p99 {row['ttft_p99_s']}  decode batch gpu {row['mean_gpu_decode_batch']:.1f} "
-              f"cpu {row['mean_cpu_decode_batch']:.1f}  failed {row['failed']}", flush=True)
+        row = {**summarize(measured), **decode_batches(before, after), "stats": without_last_iteration(after)}
+        print(
+            f"{policy:7s} {label}: {row['requests_per_s']:.2f} req/s {row['output_tokens_per_s']:.0f} tok/s  "
+            f"per-token {row['mean_per_token_latency_s']}  TPOT p99 {row['tpot_p99_s']}  TTFT p50 "
+            f"{row['ttft_p50_s']} p99 {row['ttft_p99_s']}  decode batch gpu {row['mean_gpu_decode_batch']:.1f} "
+            f"cpu {row['mean_cpu_decode_batch']:.1f}  failed {row['failed']}",
+            flush=True,
+        )
         return row
 
     for policy in args.policies:
@@ -266,8 +298,20 @@ def main() -> int:
             offline[policy] = run(policy, "offline   ", trace)
             save()
     front.shutdown()
-    print(json.dumps({k: report.get(k) for k in ("paper_metric", "slo_tpot_p99_s", "best_throughput_under_slo",
-                                                 "ratios_over_never", "offline_ratios_over_never")}))
+    print(
+        json.dumps(
+            {
+                k: report.get(k)
+                for k in (
+                    "paper_metric",
+                    "slo_tpot_p99_s",
+                    "best_throughput_under_slo",
+                    "ratios_over_never",
+                    "offline_ratios_over_never",
+                )
+            }
+        )
+    )
     return 0
 
 
@@ -276,10 +320,19 @@ def paper_metric(results: dict[str, list[dict]], factor: float = 2.0) -> dict:
     latency stays under `factor` times GPU-only's at the lightest rate; and the ratios over GPU-only."""
     base = results.get("never") or next(iter(results.values()))
     bound = factor * min(base, key=lambda r: r["rate"])["mean_per_token_latency_s"]
-    best = {policy: max((r["output_tokens_per_s"] for r in rows if not r["failed"] and
-                         r["mean_per_token_latency_s"] is not None and r["mean_per_token_latency_s"] <= bound),
-                        default=0.0)
-            for policy, rows in results.items()}
+    best = {
+        policy: max(
+            (
+                r["output_tokens_per_s"]
+                for r in rows
+                if not r["failed"]
+                and r["mean_per_token_latency_s"] is not None
+                and r["mean_per_token_latency_s"] <= bound
+            ),
+            default=0.0,
+        )
+        for policy, rows in results.items()
+    }
     metric = {"latency_bound_s": bound, "best_throughput_under_latency": best}
     if best.get("never"):
         metric["ratios_over_never"] = {p: b / best["never"] for p, b in best.items()}
@@ -295,14 +348,21 @@ def build_report(results: dict[str, list[dict]], offline: dict[str, dict], args,
     for policy, rows in results.items():
         ok = [r for r in rows if r["tpot_p99_s"] is not None and r["tpot_p99_s"] <= slo and not r["failed"]]
         best[policy] = max((r["output_tokens_per_s"] for r in ok), default=0.0)
-    report = {"paper_metric": paper_metric(results), "slo_tpot_p99_s": slo, "best_throughput_under_slo": best,
-              "results": results, "offline": offline, "num_gpu_blocks": num_gpu_blocks,
-              "args": {k: str(v) for k, v in vars(args).items()}}
+    report = {
+        "paper_metric": paper_metric(results),
+        "slo_tpot_p99_s": slo,
+        "best_throughput_under_slo": best,
+        "results": results,
+        "offline": offline,
+        "num_gpu_blocks": num_gpu_blocks,
+        "args": {k: str(v) for k, v in vars(args).items()},
+    }
     if best.get("never"):
         report["ratios_over_never"] = {p: b / best["never"] for p, b in best.items()}
     if "never" in offline:
-        report["offline_ratios_over_never"] = {p: r["output_tokens_per_s"] / offline["never"]["output_tokens_per_s"]
-                                               for p, r in offline.items()}
+        report["offline_ratios_over_never"] = {
+            p: r["output_tokens_per_s"] / offline["never"]["output_tokens_per_s"] for p, r in offline.items()
+        }
     return report
 
 

@@ -11,6 +11,7 @@ each setting are the H200's 8-SM partition and its 16-core host as measured (ben
 for the policy, run in seconds on a laptop; it says nothing about the engine's own overheads, which only
 `bench/serving.py` on the GPU measures.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,23 +24,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from serving import Record, make_trace, paper_metric, summarize  # noqa: E402
+
 from neo_backend import EngineConfig, SamplingParams  # noqa: E402
 from neo_backend.core.block_manager import BlockManager  # noqa: E402
 from neo_backend.core.perf_model import PerfModel  # noqa: E402
-from neo_backend.executor.profiler import DENSE_PROFILE_TOKENS  # noqa: E402
 from neo_backend.core.scheduler import Scheduler  # noqa: E402
 from neo_backend.core.scheduler_output import SchedulerOutput  # noqa: E402
 from neo_backend.core.sequence import Sequence  # noqa: E402
+from neo_backend.executor.profiler import DENSE_PROFILE_TOKENS  # noqa: E402
 
 BLOCK_SIZE = 16
-SWAP_BYTES_PER_S = 6e9    # a swap as the scheduler waits for it: measured ~90 ms per 552 MB request (device to
-                          # host copy, then the scatter into the host pool), setting (e) on the H200
+SWAP_BYTES_PER_S = 6e9  # a swap as the scheduler waits for it: measured ~90 ms per 552 MB request (device to
+# host copy, then the scatter into the host pool), setting (e) on the H200
 
 
 @dataclass
 class Roofline:
     """Iteration costs of a dense decoder on a device of `gpu_bw` bytes/s and `gpu_flops`, beside a host whose
     attention reads `cpu_bw` bytes/s."""
+
     weight_bytes: float
     kv_bytes_per_token: float
     gpu_bw: float
@@ -50,22 +53,29 @@ class Roofline:
     step_overhead_s: float = 1e-3
 
     def dense(self, tokens: int) -> float:
-        flops = 2 * self.weight_bytes / 2 * tokens   # bf16: params = bytes / 2, 2 FLOPs per param and token
+        flops = 2 * self.weight_bytes / 2 * tokens  # bf16: params = bytes / 2, 2 FLOPs per param and token
         return max(self.weight_bytes / self.gpu_bw, flops / self.gpu_flops) + self.step_overhead_s
 
     def perf_model(self) -> PerfModel:
-        points = [*DENSE_PROFILE_TOKENS, 2048]   # what the profiler measures at the default token budget
-        return PerfModel(points, [self.dense(t) for t in points], self.kv_bytes_per_token / self.gpu_bw,
-                         self.cpu_fixed_s, self.cpu_per_request_s, self.kv_bytes_per_token / self.cpu_bw)
+        points = [*DENSE_PROFILE_TOKENS, 2048]  # what the profiler measures at the default token budget
+        return PerfModel(
+            points,
+            [self.dense(t) for t in points],
+            self.kv_bytes_per_token / self.gpu_bw,
+            self.cpu_fixed_s,
+            self.cpu_per_request_s,
+            self.kv_bytes_per_token / self.cpu_bw,
+        )
 
 
-def setting(name: str, sm8_bw: float = 637e9, sm8_flops: float = 55e12, host_bw: float = 100e9
-            ) -> tuple[Roofline, int, float]:
+def setting(
+    name: str, sm8_bw: float = 637e9, sm8_flops: float = 55e12, host_bw: float = 100e9
+) -> tuple[Roofline, int, float]:
     """(cost model, device KV blocks, host KV GiB) of the emulated settings. The host's terms are fitted to the
     engine's iterations at 8 SMs, Llama-2-7B shape (bench/RESULTS.md): a sequential iteration with one CPU decode
     at context ~1.1k took 15.8 ms more than the GPU-only one, with two 20.5 ms: ~11 ms of per-layer hand-offs
     and ~4.6 ms of attention per request (~100 GB/s)."""
-    if name == "a10g":   # Llama-3-8B (GQA 8 KV heads), 24 GB: 3606 blocks as bench/serving.py sizes it
+    if name == "a10g":  # Llama-3-8B (GQA 8 KV heads), 24 GB: 3606 blocks as bench/serving.py sizes it
         return Roofline(16.06e9, 2 * 32 * 8 * 128 * 2, sm8_bw, sm8_flops, host_bw), 3606, 32.0
     if name == "t4mem":  # Llama-2-7B (MHA), 16 GB
         return Roofline(13.5e9, 2 * 32 * 32 * 128 * 2, sm8_bw, sm8_flops, host_bw), 185, 48.0
@@ -84,13 +94,15 @@ def iteration_time(perf: PerfModel, out: SchedulerOutput) -> float:
 def simulate(policy: str, roof: Roofline, gpu_blocks: int, cpu_gb: float, trace, knobs: dict) -> tuple[list, dict]:
     config = EngineConfig(offload_policy=policy, block_size=BLOCK_SIZE, **knobs)
     block_bytes = roof.kv_bytes_per_token * BLOCK_SIZE
-    cpu_blocks = int(cpu_gb * 2 ** 30 // block_bytes) if policy != "never" else 0
+    cpu_blocks = int(cpu_gb * 2**30 // block_bytes) if policy != "never" else 0
     perf = roof.perf_model()
     gpu_pool, cpu_pool = BlockManager(gpu_blocks, BLOCK_SIZE, "gpu"), BlockManager(cpu_blocks, BLOCK_SIZE, "cpu")
     sched = Scheduler(config, policy, gpu_pool, cpu_pool, perf)
     records = [Record(offset) for offset, _, _ in trace]
-    seqs = [Sequence(f"r{i}", None, prompt, SamplingParams(max_tokens=out, ignore_eos=True), arrival_time=offset)
-            for i, (offset, prompt, out) in enumerate(trace)]
+    seqs = [
+        Sequence(f"r{i}", None, prompt, SamplingParams(max_tokens=out, ignore_eos=True), arrival_time=offset)
+        for i, (offset, prompt, out) in enumerate(trace)
+    ]
     clock, next_arrival, live, in_flight = 0.0, 0, {}, []
     stats = {"iterations": 0, "gpu_decode_rows": 0, "cpu_decode_rows": 0, "modes": {}}
     while next_arrival < len(seqs) or live:
@@ -126,8 +138,9 @@ def simulate(policy: str, roof: Roofline, gpu_blocks: int, cpu_gb: float, trace,
                 del live[seq.request_id]
         offloads = sched.offload([s for s in out.offload_after_step if s.request_id in live])
         in_flight = [swap.request_id for swap in offloads]
-    stats.update(preemptions=sched.num_preemptions, swap_out_blocks=sched.swap_out_blocks,
-                 swap_in_blocks=sched.swap_in_blocks)
+    stats.update(
+        preemptions=sched.num_preemptions, swap_out_blocks=sched.swap_out_blocks, swap_in_blocks=sched.swap_in_blocks
+    )
     return records, stats
 
 
@@ -137,11 +150,21 @@ def main() -> int:
     parser.add_argument("--policies", nargs="+", default=["never", "auto", "always"])
     parser.add_argument("--rates", nargs="+", type=float, default=[0.5, 1, 1.5, 2, 2.5, 3])
     parser.add_argument("--num-requests", type=int, default=300)
-    parser.add_argument("--warmup-seconds", type=float, default=60.0,
-                        help="requests arriving this early in a trace are left out of its figures")
+    parser.add_argument(
+        "--warmup-seconds",
+        type=float,
+        default=60.0,
+        help="requests arriving this early in a trace are left out of its figures",
+    )
     parser.add_argument("--host-bw", type=float, default=100e9)
-    parser.add_argument("--knob", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"),
-                        help="an EngineConfig knob, e.g. --knob cpu_latency_slack 2")
+    parser.add_argument(
+        "--knob",
+        nargs=2,
+        action="append",
+        default=[],
+        metavar=("NAME", "VALUE"),
+        help="an EngineConfig knob, e.g. --knob cpu_latency_slack 2",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     roof, gpu_blocks, cpu_gb = setting(args.setting, host_bw=args.host_bw)
@@ -156,13 +179,15 @@ def main() -> int:
             measured = [r for r in records if r.start >= args.warmup_seconds]
             row = {"rate": rate, **summarize(measured), "stats": stats}
             results[policy].append(row)
-            print(f"{policy:6s} rate {rate:5.2f}: {row['output_tokens_per_s']:6.0f} tok/s  per-token "
-                  f"{row['mean_per_token_latency_s']:.3f} s  TPOT p99 {row['tpot_p99_s']:.3f}  TTFT p50 "
-                  f"{row['ttft_p50_s']:.2f} p99 {row['ttft_p99_s']:.2f}  rows gpu/cpu "
-                  f"{stats['gpu_decode_rows'] / stats['iterations']:.1f}/"
-                  f"{stats['cpu_decode_rows'] / stats['iterations']:.1f}  modes {stats['modes']}  "
-                  f"preempt {stats['preemptions']} swap out/in {stats['swap_out_blocks']}/{stats['swap_in_blocks']}",
-                  flush=True)
+            print(
+                f"{policy:6s} rate {rate:5.2f}: {row['output_tokens_per_s']:6.0f} tok/s  per-token "
+                f"{row['mean_per_token_latency_s']:.3f} s  TPOT p99 {row['tpot_p99_s']:.3f}  TTFT p50 "
+                f"{row['ttft_p50_s']:.2f} p99 {row['ttft_p99_s']:.2f}  rows gpu/cpu "
+                f"{stats['gpu_decode_rows'] / stats['iterations']:.1f}/"
+                f"{stats['cpu_decode_rows'] / stats['iterations']:.1f}  modes {stats['modes']}  "
+                f"preempt {stats['preemptions']} swap out/in {stats['swap_out_blocks']}/{stats['swap_in_blocks']}",
+                flush=True,
+            )
     metric = paper_metric(results)
     print(json.dumps(metric))
     if args.json:

@@ -1,4 +1,5 @@
 """Wall-clock timing for the benchmarks: the median of repeated calls, which a noisy shared machine calls for."""
+
 from __future__ import annotations
 
 import statistics
@@ -13,8 +14,9 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def median_seconds(call: Callable[[], object], reps: int = 5, *, device: torch.device | None = None,
-                   warmup: int = 0) -> float:
+def median_seconds(
+    call: Callable[[], object], reps: int = 5, *, device: torch.device | None = None, warmup: int = 0
+) -> float:
     """Median seconds of `reps` calls after `warmup` untimed ones; with a `device`, each waits for its work there."""
     for _ in range(warmup):
         call()

@@ -9,6 +9,7 @@
 
 `AsyncNeoClient` is the asyncio twin (`async for delta in c.stream(...)`).
 """
+
 from .aio import AsyncNeoClient, AsyncStream
 from .chat import DEFAULT_CHAT_TEMPLATE, render_chat
 from .errors import ClientError, ModelNotFoundError, RequestTimeoutError, ServerError, ServerUnreachableError
@@ -16,7 +17,19 @@ from .protocol import DEFAULT_MODEL, Delta, GenerationResult, default_url
 from .sync import NeoClient, Stream
 
 __all__ = [
-    "AsyncNeoClient", "AsyncStream", "ClientError", "DEFAULT_CHAT_TEMPLATE", "DEFAULT_MODEL", "Delta",
-    "GenerationResult", "ModelNotFoundError", "NeoClient", "RequestTimeoutError", "ServerError",
-    "ServerUnreachableError", "Stream", "default_url", "render_chat",
+    "AsyncNeoClient",
+    "AsyncStream",
+    "ClientError",
+    "DEFAULT_CHAT_TEMPLATE",
+    "DEFAULT_MODEL",
+    "Delta",
+    "GenerationResult",
+    "ModelNotFoundError",
+    "NeoClient",
+    "RequestTimeoutError",
+    "ServerError",
+    "ServerUnreachableError",
+    "Stream",
+    "default_url",
+    "render_chat",
 ]

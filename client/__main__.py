@@ -3,6 +3,7 @@
 Exit status: 0 done, 1 server-side error, 2 bad arguments, 3 server unreachable, 4 model missing,
 5 timeout, 130 interrupted (the request is cancelled on the server).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,8 +17,9 @@ from .sync import NeoClient
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m client", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m client", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("prompt", help="prompt text ('-' reads standard input)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn with a chat template")
     p.add_argument("--chat-template", metavar="FILE", help="Jinja2 chat template (default: ChatML of SmolLM2)")
@@ -38,8 +40,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def sampling_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """vLLM SamplingParams names; unset options are left to the server's defaults."""
-    values = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
-              "top_k": args.top_k, "seed": args.seed, "stop": args.stop, "ignore_eos": args.ignore_eos or None}
+    values = {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "seed": args.seed,
+        "stop": args.stop,
+        "ignore_eos": args.ignore_eos or None,
+    }
     return {k: v for k, v in values.items() if v is not None}
 
 

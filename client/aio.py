@@ -2,21 +2,30 @@
 
 Each request is its own gRPC stream on the client's one channel, so any number may run concurrently.
 """
+
 from __future__ import annotations
 
 import asyncio
 import time
 import uuid
+from collections.abc import AsyncIterator, Mapping
 from types import TracebackType
-from typing import Any, AsyncIterator, Mapping
+from typing import Any
 
 import grpc
 import tritonclient.grpc.aio as aioclient
 from tritonclient.utils import InferenceServerException
 
 from .base import STREAM_DEADLINE_GRACE_S, ClientBase, StreamBase
-from .protocol import (DEFAULT_MODEL, DEFAULT_TIMEOUT_S, Delta, GenerationResult, ResponseAccumulator, build_inputs,
-                       model_not_ready)
+from .protocol import (
+    DEFAULT_MODEL,
+    DEFAULT_TIMEOUT_S,
+    Delta,
+    GenerationResult,
+    ResponseAccumulator,
+    build_inputs,
+    model_not_ready,
+)
 
 
 class AsyncNeoClient(ClientBase):
@@ -45,13 +54,20 @@ class AsyncNeoClient(ClientBase):
             raise self.translate(exc) from None
         return response["config"]
 
-    def stream(self, prompt: str, sampling: Mapping[str, Any] | None = None, request_id: str | None = None,
-               timeout: float | None = None) -> AsyncStream:
-        return AsyncStream(self, prompt, sampling, request_id or uuid.uuid4().hex,
-                           self.timeout if timeout is None else timeout)
+    def stream(
+        self,
+        prompt: str,
+        sampling: Mapping[str, Any] | None = None,
+        request_id: str | None = None,
+        timeout: float | None = None,
+    ) -> AsyncStream:
+        return AsyncStream(
+            self, prompt, sampling, request_id or uuid.uuid4().hex, self.timeout if timeout is None else timeout
+        )
 
-    async def generate(self, prompt: str, sampling: Mapping[str, Any] | None = None,
-                       timeout: float | None = None) -> GenerationResult:
+    async def generate(
+        self, prompt: str, sampling: Mapping[str, Any] | None = None, timeout: float | None = None
+    ) -> GenerationResult:
         async with self.stream(prompt, sampling, timeout=timeout) as s:
             async for _ in s:
                 pass
@@ -76,8 +92,9 @@ class AsyncStream(StreamBase):
     request on the server.
     """
 
-    def __init__(self, owner: AsyncNeoClient, prompt: str, sampling: Mapping[str, Any] | None, request_id: str,
-                 timeout: float) -> None:
+    def __init__(
+        self, owner: AsyncNeoClient, prompt: str, sampling: Mapping[str, Any] | None, request_id: str, timeout: float
+    ) -> None:
         super().__init__(owner, prompt, sampling, request_id, timeout)
         self._iterator: AsyncIterator[Delta] | None = None
 
@@ -103,16 +120,20 @@ class AsyncStream(StreamBase):
     async def __aenter__(self) -> AsyncStream:
         return self
 
-    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                        tb: TracebackType | None) -> None:
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         await self.aclose()
 
     async def _run(self) -> AsyncIterator[Delta]:
         owner = self._owner
 
         async def one_request() -> AsyncIterator[dict[str, Any]]:
-            yield {"model_name": owner.model, "inputs": build_inputs(self._prompt, self._sampling),
-                   "request_id": self.request_id}
+            yield {
+                "model_name": owner.model,
+                "inputs": build_inputs(self._prompt, self._sampling),
+                "request_id": self.request_id,
+            }
 
         acc = ResponseAccumulator(self.request_id)
         deadline = acc.start_time + self.timeout
@@ -126,8 +147,9 @@ class AsyncStream(StreamBase):
                 except asyncio.TimeoutError:
                     raise self.timed_out() from None
                 except StopAsyncIteration:
-                    raise self.translate(InferenceServerException(
-                        "the server closed the stream before the request finished")) from None
+                    raise self.translate(
+                        InferenceServerException("the server closed the stream before the request finished")
+                    ) from None
                 if error is not None:
                     raise self.translate(error)
                 delta = acc.feed(result, time.perf_counter())

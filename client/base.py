@@ -1,8 +1,10 @@
 """What the blocking (sync.py) and asyncio (aio.py) clients share: where they connect, and one request's
 parameters and outcome."""
+
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from tritonclient.utils import InferenceServerException
 
@@ -29,8 +31,9 @@ class ClientBase:
 class StreamBase:
     """One request: what it asks for, and once it finished, its `result`."""
 
-    def __init__(self, owner: ClientBase, prompt: str, sampling: Mapping[str, Any] | None, request_id: str,
-                 timeout: float) -> None:
+    def __init__(
+        self, owner: ClientBase, prompt: str, sampling: Mapping[str, Any] | None, request_id: str, timeout: float
+    ) -> None:
         self._owner = owner
         self._prompt = prompt
         self._sampling = sampling
@@ -42,5 +45,7 @@ class StreamBase:
         return translate_error(exc, self._owner.url, self._owner.model, self.timeout)
 
     def timed_out(self) -> RequestTimeoutError:
-        return RequestTimeoutError(f"request {self.request_id} to {self._owner.url} did not complete within "
-                                   f"{self.timeout:g} s and was cancelled; raise the timeout or lower max_tokens")
+        return RequestTimeoutError(
+            f"request {self.request_id} to {self._owner.url} did not complete within "
+            f"{self.timeout:g} s and was cancelled; raise the timeout or lower max_tokens"
+        )

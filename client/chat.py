@@ -5,6 +5,7 @@ conventions: `messages`, `add_generation_prompt`). The default is the ChatML tem
 SmolLM2-135M-Instruct, copied from its GGUF file (it adds SmolLM2's default system prompt when none is given);
 pass another model's template with `--chat-template FILE`.
 """
+
 from __future__ import annotations
 
 from pathlib import Path

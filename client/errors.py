@@ -1,4 +1,5 @@
 """Typed client errors. Each message names the server address and says what to try next."""
+
 from __future__ import annotations
 
 

@@ -5,13 +5,15 @@ A request carries `text_input`, `stream`, `sampling_parameters` (vLLM SamplingPa
 on the last one, `finish_reason`. `num_output_tokens` is per response (the delta's token count), as in the
 vLLM backend, so the client sums it.
 """
+
 from __future__ import annotations
 
 import json
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 from tritonclient.grpc import InferInput, InferResult
@@ -34,8 +36,11 @@ def default_url() -> str:
 
 def raw_inputs(prompt: bytes, sampling: bytes | None, stream: bool = True) -> list[InferInput]:
     """The tensors of a request whose prompt and sampling JSON are sent as given, valid UTF-8 and JSON or not."""
-    inputs = [_tensor("text_input", "BYTES", prompt), _tensor("stream", "BOOL", stream),
-              _tensor("exclude_input_in_output", "BOOL", True)]
+    inputs = [
+        _tensor("text_input", "BYTES", prompt),
+        _tensor("stream", "BOOL", stream),
+        _tensor("exclude_input_in_output", "BOOL", True),
+    ]
     if sampling is not None:
         inputs.append(_tensor("sampling_parameters", "BYTES", sampling))
     return inputs
@@ -103,8 +108,10 @@ class GenerationResult:
     def stats_line(self) -> str:
         ttft = "n/a" if self.ttft is None else f"{self.ttft * 1000:.1f} ms"
         tpot = "n/a" if self.tpot is None else f"{self.tpot * 1000:.1f} ms"
-        return (f"TTFT {ttft} | TPOT {tpot} | {self.tokens_per_second:.1f} tokens/s | "
-                f"{self.num_output_tokens} tokens in {self.e2e:.2f} s | finish_reason {self.finish_reason}")
+        return (
+            f"TTFT {ttft} | TPOT {tpot} | {self.tokens_per_second:.1f} tokens/s | "
+            f"{self.num_output_tokens} tokens in {self.e2e:.2f} s | finish_reason {self.finish_reason}"
+        )
 
 
 class ResponseAccumulator:
@@ -151,10 +158,16 @@ class ResponseAccumulator:
 
     def result(self, end_time: float) -> GenerationResult:
         return GenerationResult(
-            request_id=self.request_id, text="".join(self.parts), finish_reason=self.finish_reason,
-            num_input_tokens=self.num_input_tokens, num_output_tokens=self.num_output_tokens,
-            start_time=self.start_time, first_token_time=self.first_token_time, end_time=end_time,
-            response_times=self.response_times)
+            request_id=self.request_id,
+            text="".join(self.parts),
+            finish_reason=self.finish_reason,
+            num_input_tokens=self.num_input_tokens,
+            num_output_tokens=self.num_output_tokens,
+            start_time=self.start_time,
+            first_token_time=self.first_token_time,
+            end_time=end_time,
+            response_times=self.response_times,
+        )
 
 
 def _first_string(result: InferResult, name: str) -> str | None:
@@ -169,8 +182,10 @@ def model_not_ready(url: str, model: str, repository_index: Mapping[str, Any]) -
     """The error for a model that `is_model_ready` denied, telling a missing model from one still loading."""
     models = {m["name"]: m.get("state", "") for m in repository_index.get("models", [])}
     if model in models:
-        return ModelNotFoundError(f"model {model!r} on {url} is not ready (state {models[model] or 'unknown'}); "
-                                  "wait for it to finish loading, or read the server log")
+        return ModelNotFoundError(
+            f"model {model!r} on {url} is not ready (state {models[model] or 'unknown'}); "
+            "wait for it to finish loading, or read the server log"
+        )
     served = ", ".join(sorted(models)) or "none"
     return ModelNotFoundError(f"{url} does not serve model {model!r} (it serves: {served}); check the model name")
 
@@ -180,11 +195,14 @@ def translate_error(exc: InferenceServerException, url: str, model: str, timeout
     status = str(exc.status() or "")
     message = exc.message() or str(exc)
     if "UNAVAILABLE" in status:
-        return ServerUnreachableError(f"cannot reach a Triton gRPC endpoint at {url} ({message}); "
-                                      "start the server (make serve) or pass --url host:port")
+        return ServerUnreachableError(
+            f"cannot reach a Triton gRPC endpoint at {url} ({message}); "
+            "start the server (make serve) or pass --url host:port"
+        )
     if "DEADLINE_EXCEEDED" in status or "Deadline Exceeded" in message:
-        return RequestTimeoutError(f"request to {url} did not complete within {timeout:g} s; "
-                                   "raise --timeout or lower --max-tokens")
+        return RequestTimeoutError(
+            f"request to {url} did not complete within {timeout:g} s; raise --timeout or lower --max-tokens"
+        )
     if "unknown model" in message or "NOT_FOUND" in status:
         return ModelNotFoundError(f"{url} does not serve model {model!r} ({message}); check --model")
     return ServerError(f"server error from {url} for model {model!r}: {message}", server_message=message)

@@ -4,21 +4,29 @@ tritonclient's sync gRPC client carries one bidirectional stream at a time, and 
 without its request id, so every request gets a stream of its own on a pooled client; concurrent requests from
 several threads (or gevent greenlets, as in the locust user) each borrow a client.
 """
+
 from __future__ import annotations
 
 import queue
 import threading
 import time
 import uuid
+from collections.abc import Iterator, Mapping
 from types import TracebackType
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from .base import STREAM_DEADLINE_GRACE_S, ClientBase, StreamBase
-from .protocol import (DEFAULT_MODEL, DEFAULT_TIMEOUT_S, GenerationResult, ResponseAccumulator, build_inputs,
-                       model_not_ready)
+from .protocol import (
+    DEFAULT_MODEL,
+    DEFAULT_TIMEOUT_S,
+    GenerationResult,
+    ResponseAccumulator,
+    build_inputs,
+    model_not_ready,
+)
 
 
 class NeoClient(ClientBase):
@@ -44,14 +52,21 @@ class NeoClient(ClientBase):
         finally:
             self._release(client)
 
-    def stream(self, prompt: str, sampling: Mapping[str, Any] | None = None, request_id: str | None = None,
-               timeout: float | None = None) -> Stream:
+    def stream(
+        self,
+        prompt: str,
+        sampling: Mapping[str, Any] | None = None,
+        request_id: str | None = None,
+        timeout: float | None = None,
+    ) -> Stream:
         """Start one streaming generation; iterate the returned `Stream` for text deltas."""
-        return Stream(self, prompt, sampling, request_id or uuid.uuid4().hex,
-                      self.timeout if timeout is None else timeout)
+        return Stream(
+            self, prompt, sampling, request_id or uuid.uuid4().hex, self.timeout if timeout is None else timeout
+        )
 
-    def generate(self, prompt: str, sampling: Mapping[str, Any] | None = None,
-                 timeout: float | None = None) -> GenerationResult:
+    def generate(
+        self, prompt: str, sampling: Mapping[str, Any] | None = None, timeout: float | None = None
+    ) -> GenerationResult:
         """Run one request to completion and return its result."""
         with self.stream(prompt, sampling, timeout=timeout) as s:
             for _ in s:
@@ -89,8 +104,9 @@ class Stream(StreamBase):
     server through `stop_stream(cancel_requests=True)`.
     """
 
-    def __init__(self, owner: NeoClient, prompt: str, sampling: Mapping[str, Any] | None, request_id: str,
-                 timeout: float) -> None:
+    def __init__(
+        self, owner: NeoClient, prompt: str, sampling: Mapping[str, Any] | None, request_id: str, timeout: float
+    ) -> None:
         super().__init__(owner, prompt, sampling, request_id, timeout)
         self._iterator: Iterator[str] | None = None
 
@@ -107,8 +123,9 @@ class Stream(StreamBase):
     def __enter__(self) -> Stream:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.cancel()
 
     def _run(self) -> Iterator[str]:
@@ -119,10 +136,16 @@ class Stream(StreamBase):
         deadline = acc.start_time + self.timeout
         finished = False
         try:
-            client.start_stream(callback=lambda result, error: responses.put((result, error, time.perf_counter())),
-                                stream_timeout=self.timeout + STREAM_DEADLINE_GRACE_S)
-            client.async_stream_infer(owner.model, build_inputs(self._prompt, self._sampling),
-                                      request_id=self.request_id, enable_empty_final_response=True)
+            client.start_stream(
+                callback=lambda result, error: responses.put((result, error, time.perf_counter())),
+                stream_timeout=self.timeout + STREAM_DEADLINE_GRACE_S,
+            )
+            client.async_stream_infer(
+                owner.model,
+                build_inputs(self._prompt, self._sampling),
+                request_id=self.request_id,
+                enable_empty_final_response=True,
+            )
             while not acc.done:
                 try:
                     result, error, arrival = responses.get(timeout=max(0.0, deadline - time.perf_counter()))

@@ -8,6 +8,7 @@ address from NEO_OPENAI_HOST/NEO_OPENAI_PORT), then writes into the results dire
   latency.png     P50/P90/P99 of TTFT, TPOT and E2E over time
 and prints the summary table as its last lines. Exit status 0 only when every request succeeded.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,8 +42,9 @@ def duration_seconds(text: str) -> int:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m loadtest", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m loadtest", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--duration", default="60s", help="run time, locust syntax (20s, 5m)")
     p.add_argument("--users", type=int, default=8, help="concurrent users (closed loop) or arrival streams")
     p.add_argument("--spawn-rate", type=float, default=None, help="users started per second (default: all at once)")
@@ -51,8 +53,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--input-tokens", type=int, default=128, help="prompt tokens of the fixed workload")
     p.add_argument("--output-tokens", type=int, default=64, help="output tokens of the fixed workload")
     p.add_argument("--api", choices=LOCUSTFILES, default="triton", help="Triton gRPC, or the OpenAI gateway")
-    p.add_argument("--url", default=None, help=f"gRPC host:port (default from NEO_HOST/NEO_GRPC_PORT: "
-                                               f"{default_url()}); with --api openai the gateway's base URL")
+    p.add_argument(
+        "--url",
+        default=None,
+        help=f"gRPC host:port (default from NEO_HOST/NEO_GRPC_PORT: "
+        f"{default_url()}); with --api openai the gateway's base URL",
+    )
     p.add_argument("--model", default="neo")
     p.add_argument("--request-timeout", type=float, default=120.0, help="seconds allowed per request")
     p.add_argument("--seed", type=int, default=0)
@@ -70,14 +76,40 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def locust_command(args: argparse.Namespace, url: str) -> list[str]:
     results = args.results_dir
     return [
-        sys.executable, "-m", "locust", "-f", str(LOCUSTFILES[args.api]), "--headless", "--only-summary",
-        "--users", str(args.users), "--spawn-rate", str(args.spawn_rate or args.users),
-        "--run-time", f"{args.duration_s}s", "--host", url,
-        "--csv", str(results / "locust"), "--csv-full-history",
-        "--workload", args.workload, "--input-tokens", str(args.input_tokens),
-        "--output-tokens", str(args.output_tokens), "--rate", str(args.rate or 0),
-        "--request-timeout", str(args.request_timeout), "--model", args.model, "--seed", str(args.seed),
-        "--records", str(results / "requests.jsonl"),
+        sys.executable,
+        "-m",
+        "locust",
+        "-f",
+        str(LOCUSTFILES[args.api]),
+        "--headless",
+        "--only-summary",
+        "--users",
+        str(args.users),
+        "--spawn-rate",
+        str(args.spawn_rate or args.users),
+        "--run-time",
+        f"{args.duration_s}s",
+        "--host",
+        url,
+        "--csv",
+        str(results / "locust"),
+        "--csv-full-history",
+        "--workload",
+        args.workload,
+        "--input-tokens",
+        str(args.input_tokens),
+        "--output-tokens",
+        str(args.output_tokens),
+        "--rate",
+        str(args.rate or 0),
+        "--request-timeout",
+        str(args.request_timeout),
+        "--model",
+        args.model,
+        "--seed",
+        str(args.seed),
+        "--records",
+        str(results / "requests.jsonl"),
     ]
 
 
@@ -91,8 +123,9 @@ def check_ready(api: str, url: str, model: str) -> None:
         with urllib.request.urlopen(f"{url.rstrip('/')}/health", timeout=10.0):
             pass
     except (urllib.error.URLError, OSError) as exc:
-        raise ServerUnreachableError(f"the OpenAI gateway at {url} is not ready ({exc}); start it (make serve) "
-                                     "or pass --url") from None
+        raise ServerUnreachableError(
+            f"the OpenAI gateway at {url} is not ready ({exc}); start it (make serve) or pass --url"
+        ) from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,13 +149,17 @@ def main(argv: list[str] | None = None) -> int:
     records_path = args.results_dir / "requests.jsonl"
     records = list(read_records(records_path)) if records_path.exists() else []
     if not records:
-        print(f"error: locust (exit status {locust.returncode}) recorded no request; see its log above",
-              file=sys.stderr)
+        print(
+            f"error: locust (exit status {locust.returncode}) recorded no request; see its log above", file=sys.stderr
+        )
         return 1
 
     mode = f"Poisson {args.rate:g} req/s" if args.rate else "closed loop"
-    summary = summarize(records, f"neo load test: {args.workload} workload, {args.users} users, {mode}, "
-                                 f"{args.duration_s} s against {url} ({args.api})")
+    summary = summarize(
+        records,
+        f"neo load test: {args.workload} workload, {args.users} users, {mode}, "
+        f"{args.duration_s} s against {url} ({args.api})",
+    )
     write_summary(summary, args.results_dir)
     plot_percentiles_over_time(records, args.results_dir / "latency.png")
     for error in summary.first_errors:

@@ -6,6 +6,7 @@ stream's `usage`. Entries are of type `openai` (see loadtest/users.py). `--host`
 Run directly (web UI): `locust -f loadtest/locust_openai.py --host http://127.0.0.1:9000`; headless:
 `python -m loadtest --api openai`.
 """
+
 from __future__ import annotations
 
 import time
@@ -29,8 +30,12 @@ class OpenAIUser(StreamingUser):
     request_errors = (openai.OpenAIError, IncompleteStreamError)
 
     def connect(self) -> None:
-        self.api = openai.OpenAI(base_url=f"{self.host.rstrip('/')}/v1", timeout=self.opts.request_timeout,
-                                 api_key=GatewayConfig.from_env().api_key or "unused", max_retries=0)
+        self.api = openai.OpenAI(
+            base_url=f"{self.host.rstrip('/')}/v1",
+            timeout=self.opts.request_timeout,
+            api_key=GatewayConfig.from_env().api_key or "unused",
+            max_retries=0,
+        )
         self.api.models.retrieve(self.opts.model)
 
     def disconnect(self) -> None:
@@ -39,8 +44,13 @@ class OpenAIUser(StreamingUser):
     def send(self, spec: RequestSpec) -> GenerationResult:
         start = time.perf_counter()
         first_token_time, parts, usage, finish_reason = None, [], None, None
-        stream = self.api.completions.create(model=self.opts.model, prompt=spec.prompt, stream=True,
-                                             stream_options={"include_usage": True}, extra_body=spec.sampling())
+        stream = self.api.completions.create(
+            model=self.opts.model,
+            prompt=spec.prompt,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=spec.sampling(),
+        )
         with stream:
             for chunk in stream:
                 if chunk.usage is not None:
@@ -53,6 +63,13 @@ class OpenAIUser(StreamingUser):
                 finish_reason = chunk.choices[0].finish_reason or finish_reason
         if usage is None:
             raise IncompleteStreamError("the stream ended without its usage chunk")
-        return GenerationResult(request_id=uuid.uuid4().hex, text="".join(parts), finish_reason=finish_reason,
-                                num_input_tokens=usage.prompt_tokens, num_output_tokens=usage.completion_tokens,
-                                start_time=start, first_token_time=first_token_time, end_time=time.perf_counter())
+        return GenerationResult(
+            request_id=uuid.uuid4().hex,
+            text="".join(parts),
+            finish_reason=finish_reason,
+            num_input_tokens=usage.prompt_tokens,
+            num_output_tokens=usage.completion_tokens,
+            start_time=start,
+            first_token_time=first_token_time,
+            end_time=time.perf_counter(),
+        )

@@ -5,6 +5,7 @@ gRPC address (host:port; default from NEO_HOST/NEO_GRPC_PORT).
 
 Run directly (web UI): `locust -f loadtest/locustfile.py --host 127.0.0.1:8001`; headless: `python -m loadtest`.
 """
+
 from __future__ import annotations
 
 # grpc must be patched for gevent (which locust installs) before any channel exists.

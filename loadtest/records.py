@@ -4,23 +4,25 @@ Locust rounds the response times it keeps to about two significant digits above 
 for per-token latencies, so the summary and chart come from these exact records; locust's own CSVs are written
 beside them.
 """
+
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterator, TextIO
+from typing import TextIO
 
 
 @dataclass
 class RequestRecord:
-    start: float                      # Unix time the request was sent
-    end: float                        # Unix time it finished or failed
+    start: float  # Unix time the request was sent
+    end: float  # Unix time it finished or failed
     ok: bool
-    ttft: float | None = None         # seconds
-    tpot: float | None = None         # seconds, mean after the first token
-    e2e: float | None = None          # seconds
-    input_tokens: int | None = None   # as counted by the server
+    ttft: float | None = None  # seconds
+    tpot: float | None = None  # seconds, mean after the first token
+    e2e: float | None = None  # seconds
+    input_tokens: int | None = None  # as counted by the server
     output_tokens: int = 0
     error: str | None = None
 

@@ -1,4 +1,5 @@
 """Summary table and latency-over-time chart from the per-request records of one run."""
+
 from __future__ import annotations
 
 import json
@@ -17,7 +18,7 @@ PERCENTILE_WINDOW_S = 5.0  # the chart's percentiles are over requests that ende
 @dataclass
 class Summary:
     title: str
-    percentiles_ms: dict[str, dict[str, float | None]]   # metric -> {"p50": ms, ..., "mean": ms}
+    percentiles_ms: dict[str, dict[str, float | None]]  # metric -> {"p50": ms, ..., "mean": ms}
     requests_ok: int
     errors: int
     duration_s: float
@@ -31,8 +32,10 @@ class Summary:
         for metric in METRICS:
             row = self.percentiles_ms[metric]
             lines.append(f"{metric:<8}" + "".join("       n/a" if v is None else f"{v:>10.1f}" for v in row.values()))
-        lines.append(f"requests: {self.requests_ok} ok, {self.errors} errors in {self.duration_s:.1f} s | "
-                     f"{self.requests_per_s:.2f} requests/s | {self.output_tokens_per_s:.1f} output tokens/s")
+        lines.append(
+            f"requests: {self.requests_ok} ok, {self.errors} errors in {self.duration_s:.1f} s | "
+            f"{self.requests_per_s:.2f} requests/s | {self.output_tokens_per_s:.1f} output tokens/s"
+        )
         return "\n".join(lines)
 
 
@@ -48,15 +51,22 @@ def summarize(records: list[RequestRecord], title: str) -> Summary:
     percentiles: dict[str, dict[str, float | None]] = {}
     for metric in METRICS:
         values = metric_values(records, metric) * 1000
-        row: dict[str, float | None] = {f"p{p}": float(np.percentile(values, p)) if values.size else None
-                                        for p in PERCENTILES}
+        row: dict[str, float | None] = {
+            f"p{p}": float(np.percentile(values, p)) if values.size else None for p in PERCENTILES
+        }
         row["mean"] = float(values.mean()) if values.size else None
         percentiles[metric] = row
     tokens = sum(r.output_tokens for r in ok)
-    return Summary(title=title, percentiles_ms=percentiles, requests_ok=len(ok), errors=len(failed),
-                   duration_s=duration, requests_per_s=len(ok) / duration if duration else 0.0,
-                   output_tokens_per_s=tokens / duration if duration else 0.0,
-                   first_errors=sorted({r.error or "" for r in failed})[:5])
+    return Summary(
+        title=title,
+        percentiles_ms=percentiles,
+        requests_ok=len(ok),
+        errors=len(failed),
+        duration_s=duration,
+        requests_per_s=len(ok) / duration if duration else 0.0,
+        output_tokens_per_s=tokens / duration if duration else 0.0,
+        first_errors=sorted({r.error or "" for r in failed})[:5],
+    )
 
 
 def write_summary(summary: Summary, results_dir: Path) -> None:
@@ -81,8 +91,12 @@ def plot_percentiles_over_time(records: list[RequestRecord], path: Path) -> None
             values = np.array([p[1] for p in points])
             grid = np.arange(1.0, ends.max() + 1.0, 1.0)
             for p in PERCENTILES:
-                curve = [np.percentile(values[(ends > t - PERCENTILE_WINDOW_S) & (ends <= t)], p)
-                         if np.any((ends > t - PERCENTILE_WINDOW_S) & (ends <= t)) else np.nan for t in grid]
+                curve = [
+                    np.percentile(values[(ends > t - PERCENTILE_WINDOW_S) & (ends <= t)], p)
+                    if np.any((ends > t - PERCENTILE_WINDOW_S) & (ends <= t))
+                    else np.nan
+                    for t in grid
+                ]
                 ax.plot(grid, curve, marker=".", label=f"P{p}")
             ax.legend(loc="upper left", fontsize=8)
         ax.set_ylabel(f"{metric} (ms)")

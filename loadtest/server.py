@@ -1,12 +1,13 @@
 """A tritonserver of one's own, for the soak and the tests: started on free 127.0.0.1 ports exactly as
-`python -m neo_backend serve` starts one (neo_backend.triton.server.launch), with its log in a file for failure messages,
-a readiness wait that notices an early exit, and a clean stop.
+`python -m neo_backend serve` starts one (neo_backend.triton.server.launch), with its log in a file for failure
+messages, a readiness wait that notices an early exit, and a clean stop.
 
     with triton_server({"num_gpu_blocks": 512}) as server:
         client = tritonclient.grpc.InferenceServerClient(server.grpc_url)
 
 Knob overrides are EngineConfig field names with values.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -14,13 +15,21 @@ import signal
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Mapping
 
 from neo_backend.errors import NeoError
-from neo_backend.triton.server import (DEFAULT_MODEL_REPOSITORY, MODEL_NAME, ServerAddress, free_ports, is_ready, launch,
-                                signal_server, stop_server)
+from neo_backend.triton.server import (
+    DEFAULT_MODEL_REPOSITORY,
+    MODEL_NAME,
+    ServerAddress,
+    free_ports,
+    is_ready,
+    launch,
+    signal_server,
+    stop_server,
+)
 
 READY_TIMEOUT_S = 300.0
 LOG_TAIL_CHARS = 6000
@@ -62,8 +71,10 @@ class RunningServer:
         deadline = time.monotonic() + timeout
         while not self.is_ready():
             if self.process.poll() is not None:
-                raise ServerStartError(f"tritonserver exited with {self.process.returncode} before it was ready; "
-                                       f"log tail:\n{self.log_tail()}")
+                raise ServerStartError(
+                    f"tritonserver exited with {self.process.returncode} before it was ready; "
+                    f"log tail:\n{self.log_tail()}"
+                )
             if time.monotonic() > deadline:
                 raise ServerStartError(f"tritonserver not ready after {timeout:.0f} s; log tail:\n{self.log_tail()}")
             time.sleep(0.5)
@@ -78,9 +89,14 @@ class RunningServer:
 
 
 @contextlib.contextmanager
-def triton_server(overrides: Mapping[str, object] | None = None, *, ready_timeout: float = READY_TIMEOUT_S,
-                  wait: bool = True, repository: Path = DEFAULT_MODEL_REPOSITORY,
-                  extra_args: list[str] = ()) -> Iterator[RunningServer]:
+def triton_server(
+    overrides: Mapping[str, object] | None = None,
+    *,
+    ready_timeout: float = READY_TIMEOUT_S,
+    wait: bool = True,
+    repository: Path = DEFAULT_MODEL_REPOSITORY,
+    extra_args: list[str] = (),
+) -> Iterator[RunningServer]:
     """A tritonserver on free local ports with the `neo` model; stopped (SIGTERM, then kill) on exit.
 
     With wait=False it yields as soon as the process runs (for tests of start-up failures); call wait_ready().
@@ -90,8 +106,14 @@ def triton_server(overrides: Mapping[str, object] | None = None, *, ready_timeou
     with tempfile.TemporaryDirectory(prefix="neo-server-") as work_dir:
         log_path = Path(work_dir) / "tritonserver.log"
         with open(log_path, "w") as log_file:
-            process = launch(address, overrides, work_dir=Path(work_dir), repository=repository, stdout=log_file,
-                             extra_args=extra_args)
+            process = launch(
+                address,
+                overrides,
+                work_dir=Path(work_dir),
+                repository=repository,
+                stdout=log_file,
+                extra_args=extra_args,
+            )
         server = RunningServer(process, address, log_path)
         try:
             if wait:

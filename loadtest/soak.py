@@ -15,6 +15,7 @@ check passes.
 Without --url it starts its own server on free 127.0.0.1 ports (loadtest.server, as `make serve` starts one)
 with small KV pools and offload_policy=always, so both pools see traffic; --knob key=value changes its knobs.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,8 +29,9 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import tritonclient.grpc as grpcclient
 
@@ -44,8 +46,13 @@ MODEL = "neo"
 KINDS = ("stream", "cancel", "drop", "bad")
 WEIGHTS = {"stream": 4, "cancel": 3, "drop": 2, "bad": 2}
 # Knobs of the server this module starts itself: small pools, every decode on the CPU pool.
-DEFAULT_SERVER_KNOBS = {"num_gpu_blocks": 512, "max_num_seqs": 64, "max_model_len": 512, "cpu_kv_cache_gb": 0.1,
-                        "offload_policy": "always"}
+DEFAULT_SERVER_KNOBS = {
+    "num_gpu_blocks": 512,
+    "max_num_seqs": 64,
+    "max_model_len": 512,
+    "cpu_kv_cache_gb": 0.1,
+    "offload_policy": "always",
+}
 DRAIN_TIMEOUT_S = 30.0
 OWN_SERVER_READY_TIMEOUT_S = 600.0
 RSS_TOLERANCE_MB = 128.0
@@ -54,13 +61,16 @@ PINNED_TOLERANCE_MB = 1.0
 # (name, sampling parameters or a raw builder, substring the error must contain)
 BAD_REQUESTS: list[tuple[str, Any, str]] = [
     ("sampling key model", {"max_tokens": 4, "model": "/etc/passwd"}, "unknown sampling parameter(s): model"),
-    ("sampling key download_dir", {"max_tokens": 4, "download_dir": "/tmp/x", "load_format": "pt"},
-     "unknown sampling parameter(s)"),
+    (
+        "sampling key download_dir",
+        {"max_tokens": 4, "download_dir": "/tmp/x", "load_format": "pt"},
+        "unknown sampling parameter(s)",
+    ),
     ("max_tokens 0", {"max_tokens": 0}, "max_tokens must be >= 1"),
-    ("max_tokens huge", {"max_tokens": 10 ** 12}, "exceeds the server's limit"),
+    ("max_tokens huge", {"max_tokens": 10**12}, "exceeds the server's limit"),
     ("too many stop strings", {"max_tokens": 4, "stop": ["x"] * 64}, "stop strings exceed the server's limit"),
     ("stop string too long", {"max_tokens": 4, "stop": ["y" * 5000]}, "longer than the server's limit"),
-    ("logprobs too many", {"max_tokens": 4, "logprobs": 10 ** 6}, "logprobs 1000000 exceeds"),
+    ("logprobs too many", {"max_tokens": 4, "logprobs": 10**6}, "logprobs 1000000 exceeds"),
     ("temperature not a number", {"max_tokens": 4, "temperature": "hot"}, "temperature"),
     ("invalid JSON", b"{not json", "sampling_parameters is not valid JSON"),
     ("JSON not an object", b"[1, 2]", "must be a JSON object"),
@@ -71,6 +81,7 @@ BAD_REQUESTS: list[tuple[str, Any, str]] = [
 
 # Requests -------------------------------------------------------------------------------------------------------
 
+
 @dataclass
 class RawOutcome:
     responses: int = 0
@@ -79,8 +90,9 @@ class RawOutcome:
     timed_out: bool = False
 
 
-def raw_stream(url: str, inputs: list[grpcclient.InferInput], timeout: float, *, drop_after: int | None = None
-               ) -> RawOutcome:
+def raw_stream(
+    url: str, inputs: list[grpcclient.InferInput], timeout: float, *, drop_after: int | None = None
+) -> RawOutcome:
     """One request on its own gRPC stream, read to its final response (or `timeout`).
 
     With drop_after=N the client reads N responses and then closes its gRPC channel without a word (a client whose
@@ -123,6 +135,7 @@ def random_prompt(rng: random.Random) -> str:
 
 
 # Server processes and metrics ----------------------------------------------------------------------------------
+
 
 def _read(path: str) -> str:
     try:
@@ -183,23 +196,24 @@ def memory_sample(pids: list[int]) -> MemorySample:
 
 
 def failures_by_reason(metrics_url: str) -> Counter:
-    return Counter({ls.get("reason", ""): v for n, ls, v in scrape_metrics(metrics_url)
-                    if n == "neo_request_failures_total"})
+    return Counter(
+        {ls.get("reason", ""): v for n, ls, v in scrape_metrics(metrics_url) if n == "neo_request_failures_total"}
+    )
 
 
 def wait_idle(metrics_url: str) -> dict[str, float]:
     """Poll until no request is in the engine and no KV block is used; the last gauges either way."""
-    samples, _ = poll_metrics(metrics_url, lambda s: not any(engine_gauges(s).values()), DRAIN_TIMEOUT_S,
-                              interval=0.25)
+    samples, _ = poll_metrics(metrics_url, lambda s: not any(engine_gauges(s).values()), DRAIN_TIMEOUT_S, interval=0.25)
     return engine_gauges(samples)
 
 
 # The soak ------------------------------------------------------------------------------------------------------
 
+
 @dataclass
 class SoakReport:
     duration_s: float = 0.0
-    sent: Counter = field(default_factory=Counter)       # by kind
+    sent: Counter = field(default_factory=Counter)  # by kind
     completed: Counter = field(default_factory=Counter)  # by kind: went as that kind should
     expected_errors_sent: int = 0
     expected_errors_seen: int = 0
@@ -240,8 +254,9 @@ class SoakReport:
         if self.unexpected:
             problems.append(f"{len(self.unexpected)} unexpected error(s), first: {self.unexpected[:3]}")
         if self.expected_errors_seen != self.expected_errors_sent:
-            problems.append(f"{self.expected_errors_sent} bad requests sent but {self.expected_errors_seen} "
-                            "got the expected error")
+            problems.append(
+                f"{self.expected_errors_sent} bad requests sent but {self.expected_errors_seen} got the expected error"
+            )
         if self.gauges_after.get("requests", 1) != 0:
             problems.append(f"{self.gauges_after.get('requests')} request(s) still in the engine after the drain")
         leaked = {p: n for p, n in self.blocks_leaked.items() if n != 0}
@@ -255,8 +270,9 @@ class SoakReport:
             if self.rss_drift_mb > self.rss_tolerance_mb:
                 problems.append(f"RSS grew {self.rss_drift_mb:.1f} MiB (> {self.rss_tolerance_mb:g} MiB)")
             if self.pinned_drift_mb > self.pinned_tolerance_mb:
-                problems.append(f"pinned memory grew {self.pinned_drift_mb:.1f} MiB "
-                                f"(> {self.pinned_tolerance_mb:g} MiB)")
+                problems.append(
+                    f"pinned memory grew {self.pinned_drift_mb:.1f} MiB (> {self.pinned_tolerance_mb:g} MiB)"
+                )
         return problems
 
     @property
@@ -267,8 +283,11 @@ class SoakReport:
         def mem(sample: MemorySample | None) -> str:
             return "n/a" if sample is None else f"{sample.rss_mb:.1f} MiB RSS / {sample.pinned_mb:.1f} MiB pinned"
 
-        drift = ("n/a" if self.rss_drift_mb is None else f"RSS {self.rss_drift_mb:+.1f} MiB, pinned "
-                 f"{self.pinned_drift_mb:+.1f} MiB (end vs idle after warm-up)")
+        drift = (
+            "n/a"
+            if self.rss_drift_mb is None
+            else f"RSS {self.rss_drift_mb:+.1f} MiB, pinned {self.pinned_drift_mb:+.1f} MiB (end vs idle after warm-up)"
+        )
         lines = [
             f"soak: {self.duration_s:.0f} s, {self.requests_sent} requests sent "
             f"({', '.join(f'{k} {self.sent[k]}' for k in KINDS)}), {self.output_tokens} output tokens",
@@ -282,8 +301,7 @@ class SoakReport:
             f"  memory idle warm:    {mem(self.memory_baseline)}",
             f"  memory end:          {mem(self.memory_end)}",
             f"  drift:               {drift}",
-            "  RSS during the load: " + (", ".join(f"{t:.0f}s {m:.0f}" for t, m in self.rss_trace) or "n/a")
-            + " (MiB)",
+            "  RSS during the load: " + (", ".join(f"{t:.0f}s {m:.0f}" for t, m in self.rss_trace) or "n/a") + " (MiB)",
         ]
         for unexpected in self.unexpected[:5]:
             lines.append(f"  unexpected: {unexpected}")
@@ -321,14 +339,19 @@ class _Soak:
     def _stream(self, rng: random.Random) -> None:
         max_tokens = rng.randint(4, 24)
         prompt = random_prompt(rng)
-        sampling = {"max_tokens": max_tokens, "ignore_eos": True, "temperature": rng.choice([0, 0.8]),
-                    "seed": rng.randint(0, 99)}
+        sampling = {
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "temperature": rng.choice([0, 0.8]),
+            "seed": rng.randint(0, 99),
+        }
         result = self.client.generate(prompt, sampling)
         with self.lock:
             self.report.output_tokens += result.num_output_tokens
         if result.finish_reason != "length" or result.num_output_tokens != max_tokens:
-            self.unexpected("stream", f"finish_reason {result.finish_reason}, {result.num_output_tokens} tokens "
-                                      f"of {max_tokens}")
+            self.unexpected(
+                "stream", f"finish_reason {result.finish_reason}, {result.num_output_tokens} tokens of {max_tokens}"
+            )
         else:
             self.count("completed", "stream")
 
@@ -343,8 +366,9 @@ class _Soak:
 
     def _drop(self, rng: random.Random) -> None:
         sampling = json.dumps({"max_tokens": rng.randint(16, 64), "ignore_eos": True}).encode()
-        outcome = raw_stream(self.url, raw_inputs(random_prompt(rng).encode(), sampling), self.timeout,
-                             drop_after=rng.randint(1, 6))
+        outcome = raw_stream(
+            self.url, raw_inputs(random_prompt(rng).encode(), sampling), self.timeout, drop_after=rng.randint(1, 6)
+        )
         if outcome.error is not None or outcome.timed_out:
             self.unexpected("drop", outcome.error or f"no response within {self.timeout:g} s")
         else:
@@ -375,8 +399,10 @@ class _Soak:
             self.one(rng.choice(self.kinds), rng)
 
     def run_workers(self, concurrency: int, seed: int, deadline: float) -> None:
-        threads = [threading.Thread(target=self.worker, args=(seed * 1000 + i, deadline), daemon=True,
-                                    name=f"soak-{i}") for i in range(concurrency)]
+        threads = [
+            threading.Thread(target=self.worker, args=(seed * 1000 + i, deadline), daemon=True, name=f"soak-{i}")
+            for i in range(concurrency)
+        ]
         for t in threads:
             t.start()
         # Each worker stops at the deadline after its current request, which its timeout bounds.
@@ -388,9 +414,18 @@ class _Soak:
             self.unexpected("worker", f"{stuck} did not finish within their request timeout")
 
 
-def run_soak(url: str, metrics_url: str, duration_s: float, *, concurrency: int = 8, seed: int = 0,
-             request_timeout: float = 60.0, pids: list[int] | None = None,
-             rss_tolerance_mb: float = RSS_TOLERANCE_MB, log: Callable[[str], None] = print) -> SoakReport:
+def run_soak(
+    url: str,
+    metrics_url: str,
+    duration_s: float,
+    *,
+    concurrency: int = 8,
+    seed: int = 0,
+    request_timeout: float = 60.0,
+    pids: list[int] | None = None,
+    rss_tolerance_mb: float = RSS_TOLERANCE_MB,
+    log: Callable[[str], None] = print,
+) -> SoakReport:
     """Run the mixed load against a ready server for `duration_s` seconds and return the report.
 
     A warm-up (one request of each kind per worker) comes first, so the memory baseline is taken idle with every
@@ -408,8 +443,10 @@ def run_soak(url: str, metrics_url: str, duration_s: float, *, concurrency: int 
     try:
         log(f"soak: warm-up against {url} ({concurrency} workers)")
         for i, kind in enumerate(KINDS):
-            threads = [threading.Thread(target=warm.one, args=(kind, random.Random(seed + 17 * i + j)), daemon=True)
-                       for j in range(concurrency)]
+            threads = [
+                threading.Thread(target=warm.one, args=(kind, random.Random(seed + 17 * i + j)), daemon=True)
+                for j in range(concurrency)
+            ]
             for t in threads:
                 t.start()
             for t in threads:
@@ -433,8 +470,9 @@ def run_soak(url: str, metrics_url: str, duration_s: float, *, concurrency: int 
         report.gauges_after = wait_idle(metrics_url)
         report.memory_end = memory_sample(pids) if pids else None
         after = failures_by_reason(metrics_url)
-        report.failures_delta = {k: after[k] - failures_before.get(k, 0) for k in after
-                                 if after[k] != failures_before.get(k, 0)}
+        report.failures_delta = {
+            k: after[k] - failures_before.get(k, 0) for k in after if after[k] != failures_before.get(k, 0)
+        }
     finally:
         soak.client.close()
         warm.client.close()
@@ -443,20 +481,32 @@ def run_soak(url: str, metrics_url: str, duration_s: float, *, concurrency: int 
 
 # CLI -------------------------------------------------------------------------------------------------------------
 
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m loadtest.soak", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m loadtest.soak", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--duration", type=float, required=True, help="seconds of mixed load (after the warm-up)")
     p.add_argument("--url", default=None, help="gRPC host:port of a running server (default: start one)")
     p.add_argument("--metrics-url", default=None, help="its metrics page (default: http://HOST:8002/metrics)")
     p.add_argument("--concurrency", type=int, default=8, help="concurrent clients")
     p.add_argument("--request-timeout", type=float, default=60.0, help="seconds allowed per request")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--server-pid", type=int, action="append", default=None,
-                   help="pid(s) whose memory to watch (default: the tritonserver on the --url port and its stubs)")
+    p.add_argument(
+        "--server-pid",
+        type=int,
+        action="append",
+        default=None,
+        help="pid(s) whose memory to watch (default: the tritonserver on the --url port and its stubs)",
+    )
     p.add_argument("--rss-tolerance-mb", type=float, default=RSS_TOLERANCE_MB)
-    p.add_argument("--knob", action="append", default=[], metavar="KEY=VALUE",
-                   help=f"knob of the server this starts (defaults: {DEFAULT_SERVER_KNOBS})")
+    p.add_argument(
+        "--knob",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help=f"knob of the server this starts (defaults: {DEFAULT_SERVER_KNOBS})",
+    )
     args = p.parse_args(argv)
     if args.duration <= 0 or args.concurrency < 1:
         p.error("--duration must be > 0 and --concurrency >= 1")
@@ -476,9 +526,17 @@ def main(argv: list[str] | None = None) -> int:
         print(message, file=sys.stderr, flush=True)
 
     def soak(url: str, metrics_url: str, pids: list[int] | None) -> int:
-        report = run_soak(url, metrics_url, args.duration, concurrency=args.concurrency, seed=args.seed,
-                          request_timeout=args.request_timeout, pids=pids, rss_tolerance_mb=args.rss_tolerance_mb,
-                          log=log)
+        report = run_soak(
+            url,
+            metrics_url,
+            args.duration,
+            concurrency=args.concurrency,
+            seed=args.seed,
+            request_timeout=args.request_timeout,
+            pids=pids,
+            rss_tolerance_mb=args.rss_tolerance_mb,
+            log=log,
+        )
         print(report.summary(), flush=True)
         return 0 if report.ok else 1
 

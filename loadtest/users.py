@@ -10,6 +10,7 @@ Open loop (`--rate R`): arrivals are a Poisson process of R requests/s shared by
 R/users); a request starts at its arrival time whether or not earlier ones finished, up to `--max-in-flight`
 per user, beyond which an arrival is counted as a failure (`backlog full`) instead of queueing in the client.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -96,8 +97,9 @@ class StreamingUser(User):
         self.opts: Any = self.environment.parsed_options
         self.connect()
         user_id = next(_user_ids)
-        self.source = make_source(self.opts.workload, self.opts.seed + user_id, self.opts.input_tokens,
-                                  self.opts.output_tokens)
+        self.source = make_source(
+            self.opts.workload, self.opts.seed + user_id, self.opts.input_tokens, self.opts.output_tokens
+        )
         self.arrivals = random.Random(f"arrivals-{self.opts.seed}-{user_id}")
         self.in_flight = Pool(self.opts.max_in_flight)
 
@@ -114,8 +116,12 @@ class StreamingUser(User):
         per_user_rate = self.opts.rate / max(1, self.environment.runner.user_count)
         gevent.sleep(self.arrivals.expovariate(per_user_rate))
         if self.in_flight.full():
-            self._report_failure(time.time(), BacklogFullError(
-                f"open-loop backlog full ({self.opts.max_in_flight} in flight); lower --rate or add users"))
+            self._report_failure(
+                time.time(),
+                BacklogFullError(
+                    f"open-loop backlog full ({self.opts.max_in_flight} in flight); lower --rate or add users"
+                ),
+            )
         else:
             self.in_flight.spawn(self._one_request)
 
@@ -137,22 +143,54 @@ class StreamingUser(User):
         fire = self.environment.events.request.fire
         tokens = result.num_output_tokens
         if result.ttft is not None:
-            fire(request_type=self.request_type, name="TTFT", response_time=result.ttft * 1000, response_length=0,
-                 exception=None, context={})
+            fire(
+                request_type=self.request_type,
+                name="TTFT",
+                response_time=result.ttft * 1000,
+                response_length=0,
+                exception=None,
+                context={},
+            )
         if result.tpot is not None:
-            fire(request_type=self.request_type, name="TPOT", response_time=result.tpot * 1000, response_length=0,
-                 exception=None, context={})
-        fire(request_type=self.request_type, name="E2E", response_time=result.e2e * 1000, response_length=tokens,
-             exception=None, context={})
+            fire(
+                request_type=self.request_type,
+                name="TPOT",
+                response_time=result.tpot * 1000,
+                response_length=0,
+                exception=None,
+                context={},
+            )
+        fire(
+            request_type=self.request_type,
+            name="E2E",
+            response_time=result.e2e * 1000,
+            response_length=tokens,
+            exception=None,
+            context={},
+        )
         if _records is not None:
-            _records.write(RequestRecord(start=start, end=start + result.e2e, ok=True, ttft=result.ttft,
-                                         tpot=result.tpot, e2e=result.e2e, input_tokens=result.num_input_tokens,
-                                         output_tokens=tokens))
+            _records.write(
+                RequestRecord(
+                    start=start,
+                    end=start + result.e2e,
+                    ok=True,
+                    ttft=result.ttft,
+                    tpot=result.tpot,
+                    e2e=result.e2e,
+                    input_tokens=result.num_input_tokens,
+                    output_tokens=tokens,
+                )
+            )
 
     def _report_failure(self, start: float, exc: Exception) -> None:
         end = time.time()
-        self.environment.events.request.fire(request_type=self.request_type, name="E2E",
-                                             response_time=(end - start) * 1000, response_length=0, exception=exc,
-                                             context={})
+        self.environment.events.request.fire(
+            request_type=self.request_type,
+            name="E2E",
+            response_time=(end - start) * 1000,
+            response_length=0,
+            exception=exc,
+            context={},
+        )
         if _records is not None:
             _records.write(RequestRecord(start=start, end=end, ok=False, error=f"{type(exc).__name__}: {exc}"))

@@ -14,6 +14,7 @@ Workloads (all drawn from `random.Random(seed)`, so a seed fixes every length):
   LogNormal(median 160, sigma 0.7) tokens clipped to [8, 1024]; the prompt carries the whole history (earlier
   turns and the server's replies), dropping the oldest turns beyond 3072 tokens.
 """
+
 from __future__ import annotations
 
 import math
@@ -23,7 +24,8 @@ from typing import Protocol
 
 from client import ClientError
 
-WORDS = tuple("""
+WORDS = tuple(
+    """
 the of and to in is it that for on with as was at by be this are from or have an they which one you were her
 all she there would their we him been has when who will more no if out so said what up its about into than them
 can only other new some could time these two may then do first any my now such like our over man me even most
@@ -31,7 +33,8 @@ made after also did many before must through back years where much your way well
 those people how too little state good very make world still own see men work long get here between both life
 being under never day same another know while last might us great old year off come since against go came right
 used take three
-""".split())
+""".split()
+)
 
 WORKLOADS = ("fixed", "a10g", "conversation")
 
@@ -88,10 +91,10 @@ class A10GSource(FixedSource):
 
 class ConversationSource:
     END_CHAT_P = 0.4
-    TURN_WORDS = (48, 0.9, 4, 512)        # median, sigma, min, max
+    TURN_WORDS = (48, 0.9, 4, 512)  # median, sigma, min, max
     REPLY_TOKENS = (160, 0.7, 8, 1024)
     MAX_HISTORY_TOKENS = 3072
-    TURN_OVERHEAD_TOKENS = 5              # <|im_start|>, role, newline, <|im_end|>, newline
+    TURN_OVERHEAD_TOKENS = 5  # <|im_start|>, role, newline, <|im_end|>, newline
 
     def __init__(self, rng: random.Random) -> None:
         self.rng = rng

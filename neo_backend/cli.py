@@ -1,4 +1,5 @@
 """Command line: `python -m neo_backend {generate,serve,prepare-model,build-kernel}`."""
+
 from __future__ import annotations
 
 import argparse
@@ -10,8 +11,8 @@ import sys
 import typing
 
 from .config import EngineConfig
-from .errors import NeoError
 from .core.sampling_params import SamplingParams
+from .errors import NeoError
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -33,8 +34,11 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _sampling_from_args(args: argparse.Namespace) -> SamplingParams:
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(SamplingParams)
-              if getattr(args, f.name, None) is not None}
+    values = {
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(SamplingParams)
+        if getattr(args, f.name, None) is not None
+    }
     return SamplingParams.from_dict(SamplingParams.parse_strings(values, source="flag"))
 
 
@@ -85,8 +89,10 @@ def cmd_build_kernel(args: argparse.Namespace) -> int:
     from .cpu import build, library
 
     path = build.build(force=args.force)
-    print(f"CPU attention library: {path} (SIMD path: {library.best_isa(library.load(path))}, "
-          f"threads: {len(os.sched_getaffinity(0))})")
+    print(
+        f"CPU attention library: {path} (SIMD path: {library.best_isa(library.load(path))}, "
+        f"threads: {len(os.sched_getaffinity(0))})"
+    )
     return 0
 
 

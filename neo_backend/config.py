@@ -5,15 +5,17 @@ onto `EngineConfig` through `EngineConfig.from_strings`, so a knob is declared, 
 validated exactly once, here. `parse_knob` is the one reading of a string as a typed value, also used for
 sampling parameters sent as strings.
 """
+
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import os
 import typing
-from pathlib import Path
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from pathlib import Path
+from typing import Any
 
 from .errors import ConfigError, NeoError
 
@@ -27,24 +29,33 @@ LOAD_FORMATS = ("auto", "hf", "gguf", "dummy")
 @dataclass
 class EngineConfig:
     # Model
-    model: str | None = field(default=None, metadata={"help": "HF model dir, .gguf file, or config dir for dummy weights; "
-                                                               "unset: the embedded SmolLM2-135M-Instruct"})
+    model: str | None = field(
+        default=None,
+        metadata={
+            "help": "HF model dir, .gguf file, or config dir for dummy weights; "
+            "unset: the embedded SmolLM2-135M-Instruct"
+        },
+    )
     load_format: str = field(default="auto", metadata={"choices": LOAD_FORMATS})
     tokenizer: str | None = field(default=None, metadata={"help": "tokenizer dir (default: the model's own)"})
-    dtype: str = field(default="auto", metadata={"choices": DTYPES,
-                                                 "help": "auto: bfloat16 on CUDA, float32 on CPU"})
+    dtype: str = field(default="auto", metadata={"choices": DTYPES, "help": "auto: bfloat16 on CUDA, float32 on CPU"})
     device: str = field(default="auto", metadata={"choices": DEVICES})
     max_model_len: int | None = field(default=None, metadata={"help": "default: the model's max positions"})
     default_seed: int = field(default=0, metadata={"help": "seed of the sampler for requests without a seed"})
     # Paged KV cache
     block_size: int = 16
     num_gpu_blocks: int | None = field(default=None, metadata={"help": "explicit GPU KV pool size in blocks"})
-    gpu_memory_utilization: float = field(default=0.9, metadata={"help": "fraction of device memory for weights, "
-                                                                         "activations and the KV pool"})
-    gpu_sm_count: int | None = field(default=None, metadata={
-        "help": "run every GPU operation on a partition of this many SMs (a CUDA green context; multiples of 8 "
-                "on Hopper); unset: the whole GPU. Memory is not partitioned: pair it with num_gpu_blocks or "
-                "gpu_memory_utilization"})
+    gpu_memory_utilization: float = field(
+        default=0.9, metadata={"help": "fraction of device memory for weights, activations and the KV pool"}
+    )
+    gpu_sm_count: int | None = field(
+        default=None,
+        metadata={
+            "help": "run every GPU operation on a partition of this many SMs (a CUDA green context; multiples of 8 "
+            "on Hopper); unset: the whole GPU. Memory is not partitioned: pair it with num_gpu_blocks or "
+            "gpu_memory_utilization"
+        },
+    )
     # Batching
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -53,17 +64,29 @@ class EngineConfig:
     # NEO offload
     offload_policy: str = field(default="auto", metadata={"choices": OFFLOAD_POLICIES})
     cpu_kv_cache_gb: float = field(default=4.0, metadata={"help": "host KV pool size in GiB"})
-    cpu_attention_threads: int | None = field(default=None, metadata={
-        "help": "default: the cores this process may use, less one on CUDA (for the launching thread) or "
-                "less engine_cpu where that is set"})
-    engine_cpu: int | None = field(default=None, metadata={
-        "help": "pin the engine loop thread to this CPU and CPU attention to the others; with other processes "
-                "kept off it, a busy host cannot slow the GPU path"})
+    cpu_attention_threads: int | None = field(
+        default=None,
+        metadata={
+            "help": "default: the cores this process may use, less one on CUDA (for the launching thread) or "
+            "less engine_cpu where that is set"
+        },
+    )
+    engine_cpu: int | None = field(
+        default=None,
+        metadata={
+            "help": "pin the engine loop thread to this CPU and CPU attention to the others; with other processes "
+            "kept off it, a busy host cannot slow the GPU path"
+        },
+    )
     pipeline: str = field(default="auto", metadata={"choices": PIPELINE_MODES})
-    cpu_latency_slack: float = field(default=1.2, metadata={"help": "auto: an iteration with CPU work may take at "
-                                                                    "most this times its GPU part alone"})
-    cache_dir: str | None = field(default=None, metadata={"help": "converted tokenizers and performance profiles; "
-                                                                   "default: $XDG_CACHE_HOME/neo-triton"})
+    cpu_latency_slack: float = field(
+        default=1.2,
+        metadata={"help": "auto: an iteration with CPU work may take at most this times its GPU part alone"},
+    )
+    cache_dir: str | None = field(
+        default=None,
+        metadata={"help": "converted tokenizers and performance profiles; default: $XDG_CACHE_HOME/neo-triton"},
+    )
     # Per-request limits (admission control)
     max_prompt_bytes: int = 1 << 20
     max_tokens_cap: int = field(default=32768, metadata={"help": "largest max_tokens a request may ask for"})
@@ -79,8 +102,16 @@ class EngineConfig:
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:
                 raise ConfigError(f"{f.name}={getattr(self, f.name)!r} is not one of {', '.join(choices)}")
-        positive = ["block_size", "max_num_seqs", "max_num_batched_tokens", "max_queue_size", "max_prompt_bytes",
-                    "max_tokens_cap", "max_stop_strings", "max_stop_string_len"]
+        positive = [
+            "block_size",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_queue_size",
+            "max_prompt_bytes",
+            "max_tokens_cap",
+            "max_stop_strings",
+            "max_stop_string_len",
+        ]
         optional_positive = ["num_gpu_blocks", "max_model_len", "cpu_attention_threads", "gpu_sm_count"]
         for name in positive + [n for n in optional_positive if getattr(self, n) is not None]:
             if getattr(self, name) <= 0:
@@ -108,8 +139,9 @@ class EngineConfig:
         return [f.name for f in dataclasses.fields(cls)]
 
     @classmethod
-    def from_strings(cls, values: Mapping[str, str], base: EngineConfig | None = None,
-                     source: str = "parameter") -> EngineConfig:
+    def from_strings(
+        cls, values: Mapping[str, str], base: EngineConfig | None = None, source: str = "parameter"
+    ) -> EngineConfig:
         """Build a config from string values (Triton parameters, env vars); unknown keys are errors."""
         kwargs = dataclasses.asdict(base) if base else {}
         hints = typing.get_type_hints(cls)
@@ -125,8 +157,9 @@ class EngineConfig:
         """Read `NEO_<KNOB>` variables (e.g. NEO_OFFLOAD_POLICY=never); server ports are not knobs."""
         environ = os.environ if environ is None else environ
         known = set(cls.field_names())
-        values = {k[4:].lower(): v for k, v in environ.items()
-                  if k.startswith("NEO_") and k[4:].lower() in known and v != ""}
+        values = {
+            k[4:].lower(): v for k, v in environ.items() if k.startswith("NEO_") and k[4:].lower() in known and v != ""
+        }
         return cls.from_strings(values, base=base, source="environment variable")
 
     @classmethod
@@ -149,8 +182,11 @@ class EngineConfig:
     def changed_knobs(self, base: EngineConfig | None = None) -> dict[str, Any]:
         """The knobs whose values differ from `base` (default: the defaults), in declaration order."""
         base = base or EngineConfig()
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if getattr(self, f.name) != getattr(base, f.name)}
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) != getattr(base, f.name)
+        }
 
 
 def _base_type(hint: Any) -> type:
@@ -189,6 +225,7 @@ def parse_knob(key: str, raw: Any, hint: Any, source: str, error: type[NeoError]
 @dataclass
 class ModelConfig:
     """Architecture of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2), read from HF config.json."""
+
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -219,13 +256,19 @@ class ModelConfig:
         if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type", "default")) == "default":
             rope_scaling = None
         return cls(
-            vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], intermediate_size=hf["intermediate_size"],
-            num_layers=hf["num_hidden_layers"], num_heads=heads,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=heads,
             num_kv_heads=hf.get("num_key_value_heads") or heads,
             head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-            rms_norm_eps=hf.get("rms_norm_eps", 1e-5), rope_theta=float(rope_theta), rope_scaling=rope_scaling,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-5),
+            rope_theta=float(rope_theta),
+            rope_scaling=rope_scaling,
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=bool(hf.get("attention_bias", archs[0] == "Qwen2ForCausalLM")),
             bos_token_id=hf.get("bos_token_id"),
-            eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]))
+            eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
+        )

@@ -1,24 +1,26 @@
 """LLMEngine: requests in, one scheduling + model step at a time, text deltas out."""
+
 from __future__ import annotations
 
 import logging
 import time
 import uuid
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any
 
-from .core.block_manager import BlockManager
 from .config import OFFLOAD_POLICIES, EngineConfig
-from .errors import ConfigError, InvalidRequestError, KernelError
-from .models.loader import load_tokenizer, read_model_config, resolve_source
-from .executor.model_runner import ModelRunner
+from .core.block_manager import BlockManager
 from .core.outputs import RequestMetrics, RequestOutput
-from .executor.profiler import load_or_profile
 from .core.sampling_params import SamplingParams
-from .layers.sampler import SampleResult
 from .core.scheduler import Scheduler
 from .core.scheduler_output import SchedulerOutput
 from .core.sequence import Sequence, SequenceStatus
+from .errors import ConfigError, InvalidRequestError, KernelError
+from .executor.model_runner import ModelRunner
+from .executor.profiler import load_or_profile
+from .layers.sampler import SampleResult
+from .models.loader import load_tokenizer, read_model_config, resolve_source
 from .models.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("neo_backend")
@@ -58,39 +60,59 @@ class LLMEngine:
         if self.runner.offload_policy != "never":
             with self.runner.device_scope():
                 self.perf_model = load_or_profile(self.runner)
-        self.scheduler = Scheduler(self.config, self.runner.offload_policy, self.gpu_blocks, self.cpu_blocks,
-                                   self.perf_model)
-        log.info("offload policy %s, pipeline %s, host KV %d blocks, CPU attention threads %d",
-                 self.scheduler.policy, self.config.pipeline, self.cpu_blocks.num_blocks,
-                 self.runner.host_attention.num_threads if self.runner.host_attention else 0)
+        self.scheduler = Scheduler(
+            self.config, self.runner.offload_policy, self.gpu_blocks, self.cpu_blocks, self.perf_model
+        )
+        log.info(
+            "offload policy %s, pipeline %s, host KV %d blocks, CPU attention threads %d",
+            self.scheduler.policy,
+            self.config.pipeline,
+            self.cpu_blocks.num_blocks,
+            self.runner.host_attention.num_threads if self.runner.host_attention else 0,
+        )
         self.counters = EngineCounters()
         self._seqs: dict[str, Sequence] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
-        log.info("engine ready: max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d",
-                 self.max_model_len, self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        log.info(
+            "engine ready: max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d",
+            self.max_model_len,
+            self.config.max_num_seqs,
+            self.config.max_num_batched_tokens,
+        )
 
     # Requests ---------------------------------------------------------------------------------------------
 
-    def make_sequence(self, prompt: str | list[int], params: SamplingParams | Mapping[str, Any] | None = None,
-                      request_id: str | None = None) -> Sequence:
+    def make_sequence(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | Mapping[str, Any] | None = None,
+        request_id: str | None = None,
+    ) -> Sequence:
         """Validate and tokenize a request without touching engine state (safe from any thread)."""
         params = self._check_params(params)
         text, token_ids = self._tokenize(prompt)
         if len(token_ids) >= self.max_model_len:
-            raise InvalidRequestError(f"prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len} "
-                                      f"(prompt plus at least one output token must fit)")
+            raise InvalidRequestError(
+                f"prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len} "
+                f"(prompt plus at least one output token must fit)"
+            )
         return Sequence(request_id or uuid.uuid4().hex, text, token_ids, params)
 
     def add_sequence(self, seq: Sequence) -> None:
         if seq.request_id in self._seqs:
             raise InvalidRequestError(f"request id {seq.request_id!r} is already in use")
         self._seqs[seq.request_id] = seq
-        self._detokenizers[seq.request_id] = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids,
-                                                                    seq.params.stop)
+        self._detokenizers[seq.request_id] = IncrementalDetokenizer(
+            self.tokenizer, seq.prompt_token_ids, seq.params.stop
+        )
         self.scheduler.add(seq)
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams | Mapping[str, Any] | None = None,
-                    request_id: str | None = None) -> str:
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | Mapping[str, Any] | None = None,
+        request_id: str | None = None,
+    ) -> str:
         seq = self.make_sequence(prompt, params, request_id)
         self.add_sequence(seq)
         return seq.request_id
@@ -118,8 +140,10 @@ class LLMEngine:
         if self.has_unfinished_requests():
             raise ConfigError("the offload policy can change only while no request is in flight")
         if policy != "never" and self.runner.offload_policy == "never":
-            raise ConfigError(f"offload_policy={policy} needs the host KV pool, which this engine (built under "
-                              f"offload_policy={self.config.offload_policy}) does not have")
+            raise ConfigError(
+                f"offload_policy={policy} needs the host KV pool, which this engine (built under "
+                f"offload_policy={self.config.offload_policy}) does not have"
+            )
         self.scheduler.policy = policy
         if self.perf_model is not None:
             self.perf_model.reset_observations()
@@ -207,8 +231,11 @@ class LLMEngine:
 
     def _fail_over_to_gpu(self, exc: KernelError) -> None:
         """The CPU kernel failed: turn offloading off and recompute the CPU-requests on the GPU."""
-        log.error("CPU attention failed (%s); offloading is off, %d CPU-requests move to the GPU",
-                  exc, len(self.scheduler.cpu_running))
+        log.error(
+            "CPU attention failed (%s); offloading is off, %d CPU-requests move to the GPU",
+            exc,
+            len(self.scheduler.cpu_running),
+        )
         self.counters.fail("cpu_kernel")
         self._land_swap_outs()
         self.scheduler.disable_offload()
@@ -217,8 +244,9 @@ class LLMEngine:
         """Wait for every swap-out in flight, before host blocks it writes into are freed."""
         self.scheduler.swaps_landed(self.runner.land_swap_outs(wait=True))
 
-    def generate(self, prompts: Iterable[str | list[int]], params: SamplingParams | Mapping[str, Any] | None = None
-                 ) -> list[RequestOutput]:
+    def generate(
+        self, prompts: Iterable[str | list[int]], params: SamplingParams | Mapping[str, Any] | None = None
+    ) -> list[RequestOutput]:
         """Run prompts to completion; returns one merged output (whole text and tokens) per prompt, in order."""
         ids = [self.add_request(p, params) for p in prompts]
         merged = {i: RequestOutput(i, "", [], False, None, 0, 0, 0.0) for i in ids}
@@ -229,8 +257,9 @@ class LLMEngine:
 
     # Internals --------------------------------------------------------------------------------------------
 
-    def _record_iteration(self, batch: SchedulerOutput, start: float, host_seconds: float,
-                          schedule_seconds: float) -> None:
+    def _record_iteration(
+        self, batch: SchedulerOutput, start: float, host_seconds: float, schedule_seconds: float
+    ) -> None:
         c = self.counters
         c.prompt_tokens += batch.num_prefill_tokens
         c.gpu_decode_tokens += len(batch.gpu_decodes)
@@ -242,11 +271,17 @@ class LLMEngine:
             if batch.cpu_decodes:
                 self.perf_model.observe_cpu(batch.predicted_cpu_time, host_seconds)
         c.last_iteration = {
-            "mode": batch.mode, "prefill_tokens": batch.num_prefill_tokens, "gpu_decodes": len(batch.gpu_decodes),
-            "cpu_decodes": len(batch.cpu_decodes), "split": batch.split if batch.pipelined else None,
-            "predicted_s": round(batch.predicted_time, 6), "measured_s": round(measured, 6),
-            "predicted_cpu_s": round(batch.predicted_cpu_time, 6), "measured_cpu_s": round(host_seconds, 6),
-            "schedule_s": round(schedule_seconds, 6)}
+            "mode": batch.mode,
+            "prefill_tokens": batch.num_prefill_tokens,
+            "gpu_decodes": len(batch.gpu_decodes),
+            "cpu_decodes": len(batch.cpu_decodes),
+            "split": batch.split if batch.pipelined else None,
+            "predicted_s": round(batch.predicted_time, 6),
+            "measured_s": round(measured, 6),
+            "predicted_cpu_s": round(batch.predicted_cpu_time, 6),
+            "measured_cpu_s": round(host_seconds, 6),
+            "schedule_s": round(schedule_seconds, 6),
+        }
 
     def _append_token(self, seq: Sequence, token: int, logprob: float, logprob_entry, now: float) -> RequestOutput:
         seq.token_ids.append(token)
@@ -282,13 +317,23 @@ class LLMEngine:
         detok = self._detokenizers.pop(seq.request_id)
         del self._seqs[seq.request_id]
         out = self._output(seq, detok.take_delta(final=True) if reason != "error" else "", [])
-        out.metrics = RequestMetrics(seq.arrival_time, seq.first_scheduled_time, seq.first_token_time,
-                                     seq.finish_time, seq.num_output_tokens)
+        out.metrics = RequestMetrics(
+            seq.arrival_time, seq.first_scheduled_time, seq.first_token_time, seq.finish_time, seq.num_output_tokens
+        )
         return out
 
     def _output(self, seq: Sequence, text: str, token_ids: list[int]) -> RequestOutput:
-        return RequestOutput(seq.request_id, text, token_ids, seq.finished, seq.finish_reason, seq.num_prompt_tokens,
-                             seq.num_output_tokens, seq.cumulative_logprob, error=seq.error)
+        return RequestOutput(
+            seq.request_id,
+            text,
+            token_ids,
+            seq.finished,
+            seq.finish_reason,
+            seq.num_prompt_tokens,
+            seq.num_output_tokens,
+            seq.cumulative_logprob,
+            error=seq.error,
+        )
 
     def _check_params(self, params: SamplingParams | Mapping[str, Any] | None) -> SamplingParams:
         if params is None:
@@ -299,14 +344,22 @@ class LLMEngine:
             raise InvalidRequestError(f"sampling parameters must be a mapping, got {type(params).__name__}")
         cfg = self.config
         limits = [
-            (params.max_tokens <= cfg.max_tokens_cap, f"max_tokens {params.max_tokens} exceeds the server's limit "
-                                                     f"{cfg.max_tokens_cap}"),
-            (len(params.stop) <= cfg.max_stop_strings, f"{len(params.stop)} stop strings exceed the server's limit "
-                                                       f"{cfg.max_stop_strings}"),
-            (all(len(s) <= cfg.max_stop_string_len for s in params.stop),
-             f"a stop string is longer than the server's limit {cfg.max_stop_string_len}"),
-            ((params.logprobs or 0) <= cfg.max_logprobs, f"logprobs {params.logprobs} exceeds the server's limit "
-                                                         f"{cfg.max_logprobs}"),
+            (
+                params.max_tokens <= cfg.max_tokens_cap,
+                f"max_tokens {params.max_tokens} exceeds the server's limit {cfg.max_tokens_cap}",
+            ),
+            (
+                len(params.stop) <= cfg.max_stop_strings,
+                f"{len(params.stop)} stop strings exceed the server's limit {cfg.max_stop_strings}",
+            ),
+            (
+                all(len(s) <= cfg.max_stop_string_len for s in params.stop),
+                f"a stop string is longer than the server's limit {cfg.max_stop_string_len}",
+            ),
+            (
+                (params.logprobs or 0) <= cfg.max_logprobs,
+                f"logprobs {params.logprobs} exceeds the server's limit {cfg.max_logprobs}",
+            ),
         ]
         for ok, message in limits:
             if not ok:
@@ -323,8 +376,11 @@ class LLMEngine:
             if not token_ids:
                 raise InvalidRequestError("prompt encodes to no tokens")
             return prompt, token_ids
-        if isinstance(prompt, (list, tuple)) and prompt and all(
-                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if (
+            isinstance(prompt, (list, tuple))
+            and prompt
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+        ):
             vocab = self.model_config.vocab_size
             bad = [t for t in prompt if not 0 <= t < vocab]
             if bad:

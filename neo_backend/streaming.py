@@ -3,20 +3,22 @@
 Only the loop thread touches engine state. Callers validate and tokenize on their own thread
 (`submit` raises request errors synchronously), then hand the sequence to the loop through an inbox.
 """
+
 from __future__ import annotations
 
 import logging
 import queue
 import threading
 import time
-from typing import Any, Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 from .config import EngineConfig
+from .core.outputs import RequestOutput
+from .core.sampling_params import SamplingParams
 from .cpu.affinity import attention_cpus, pin_current_thread
 from .engine import LLMEngine
 from .errors import EngineDeadError, InvalidRequestError, QueueFullError
-from .core.outputs import RequestOutput
-from .core.sampling_params import SamplingParams
 from .models.tokenizer import Tokenizer
 
 log = logging.getLogger("neo_backend")
@@ -29,8 +31,9 @@ class RequestStream:
     """The outputs of one request, in order; the last one has `finished=True`. With `on_output` they are handed
     to that callable on the engine's loop thread instead (it must return quickly and not raise)."""
 
-    def __init__(self, request_id: str, front: StreamingEngine,
-                 on_output: Callable[[RequestOutput], None] | None = None) -> None:
+    def __init__(
+        self, request_id: str, front: StreamingEngine, on_output: Callable[[RequestOutput], None] | None = None
+    ) -> None:
         self.request_id = request_id
         self._front = front
         self._outputs: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
@@ -94,15 +97,21 @@ class StreamingEngine:
         """The engine's counters and gauges as of the loop's last step (safe from any thread)."""
         return self._stats
 
-    def submit(self, prompt: str | list[int], params: SamplingParams | Mapping[str, Any] | None = None,
-               request_id: str | None = None, on_output: Callable[[RequestOutput], None] | None = None
-               ) -> RequestStream:
+    def submit(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | Mapping[str, Any] | None = None,
+        request_id: str | None = None,
+        on_output: Callable[[RequestOutput], None] | None = None,
+    ) -> RequestStream:
         if not self.healthy:
             raise EngineDeadError(f"engine is not running: {self.dead_reason or 'stopped'}")
         waiting = len(self.engine.scheduler.waiting) + self._inbox.qsize()
         if waiting >= self.config.max_queue_size:
-            raise QueueFullError(f"server is at capacity: {waiting} requests waiting "
-                                 f"(max_queue_size={self.config.max_queue_size}); retry later")
+            raise QueueFullError(
+                f"server is at capacity: {waiting} requests waiting "
+                f"(max_queue_size={self.config.max_queue_size}); retry later"
+            )
         seq = self.engine.make_sequence(prompt, params, request_id)
         stream = RequestStream(seq.request_id, self, on_output)
         with self._lock:
@@ -150,10 +159,18 @@ class StreamingEngine:
         now, generated = time.monotonic(), st["generation_tokens"]
         rate = (generated - self._last_log[1]) / (now - self._last_log[0])
         self._last_log = (now, generated)
-        log.info("running %d GPU + %d CPU, waiting %d | KV blocks gpu %d/%d cpu %d/%d | %.1f tokens/s | "
-                 "modes %s", st["requests_gpu_decode"], st["requests_cpu_decode"], st["requests_waiting"],
-                 st["gpu_blocks_used"], st["gpu_blocks_total"], st["cpu_blocks_used"], st["cpu_blocks_total"],
-                 rate, st["modes"])
+        log.info(
+            "running %d GPU + %d CPU, waiting %d | KV blocks gpu %d/%d cpu %d/%d | %.1f tokens/s | modes %s",
+            st["requests_gpu_decode"],
+            st["requests_cpu_decode"],
+            st["requests_waiting"],
+            st["gpu_blocks_used"],
+            st["gpu_blocks_total"],
+            st["cpu_blocks_used"],
+            st["cpu_blocks_total"],
+            rate,
+            st["modes"],
+        )
 
     def _drain_inbox(self) -> None:
         while True:

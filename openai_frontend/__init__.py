@@ -5,6 +5,7 @@
 Every request still goes through the Triton model (its limits, metrics and cancellation); the gateway renders
 chats with the served model's own chat template and relays token counts, finish reasons and logprobs.
 """
+
 from .app import create_app
 from .config import GatewayConfig
 

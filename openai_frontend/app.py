@@ -1,4 +1,5 @@
 """The FastAPI application: /v1/completions, /v1/chat/completions, /v1/models and /health over one Triton model."""
+
 from __future__ import annotations
 
 import asyncio
@@ -7,7 +8,8 @@ import hmac
 import json
 import logging
 import time
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -62,13 +64,18 @@ def create_app(config: GatewayConfig) -> FastAPI:
             return
         scheme, _, key = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), config.api_key.encode()):
-            raise APIError(401, "missing or wrong API key: send the header `Authorization: Bearer <key>`",
-                           code="invalid_api_key")
+            raise APIError(
+                401, "missing or wrong API key: send the header `Authorization: Bearer <key>`", code="invalid_api_key"
+            )
 
     def check_model(name: str) -> None:
         if name != config.model:
-            raise APIError(404, f"the model {name!r} does not exist; this server serves {config.model!r}",
-                           param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"the model {name!r} does not exist; this server serves {config.model!r}",
+                param="model",
+                code="model_not_found",
+            )
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -94,8 +101,12 @@ def create_app(config: GatewayConfig) -> FastAPI:
         prompts = [request.prompt] if isinstance(request.prompt, str) else request.prompt
         sampling = sampling_parameters(request, request.max_tokens, request.logprobs)
         generations = plan(prompts, request.n, sampling)
-        return await _answer(http, request, CompletionBuilder(config.model, generations, request.logprobs),
-                             pieces(served.client, generations, config.request_timeout_s))
+        return await _answer(
+            http,
+            request,
+            CompletionBuilder(config.model, generations, request.logprobs),
+            pieces(served.client, generations, config.request_timeout_s),
+        )
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
     async def chat_completions(request: ChatCompletionRequest, http: Request) -> Any:
@@ -105,13 +116,19 @@ def create_app(config: GatewayConfig) -> FastAPI:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         prompt = served.render_chat([{"role": m.role, "content": m.text()} for m in request.messages])
         # Without a limit a chat reply may run to the end of the context (max_model_len stops it).
-        max_tokens = next((v for v in (request.max_completion_tokens, request.max_tokens) if v is not None),
-                          engine_config.max_tokens_cap)
+        max_tokens = next(
+            (v for v in (request.max_completion_tokens, request.max_tokens) if v is not None),
+            engine_config.max_tokens_cap,
+        )
         top_logprobs = (request.top_logprobs or 0) if request.logprobs else None
         sampling = sampling_parameters(request, max_tokens, top_logprobs)
         generations = plan([prompt], request.n, sampling)
-        return await _answer(http, request, ChatBuilder(config.model, generations, top_logprobs),
-                             pieces(served.client, generations, config.request_timeout_s))
+        return await _answer(
+            http,
+            request,
+            ChatBuilder(config.model, generations, top_logprobs),
+            pieces(served.client, generations, config.request_timeout_s),
+        )
 
     return app
 
@@ -121,8 +138,9 @@ def _log_failure(task: asyncio.Task) -> None:
         log.error("loading the model's tokenizer failed; the gateway stays not ready", exc_info=task.exception())
 
 
-async def _answer(http: Request, request: GenerationRequest, builder: ResponseBuilder,
-                  stream: AsyncIterator[Any]) -> Any:
+async def _answer(
+    http: Request, request: GenerationRequest, builder: ResponseBuilder, stream: AsyncIterator[Any]
+) -> Any:
     """The whole response, or an event stream. A stream's first piece is awaited before the response starts, so
     a request the model refuses gets its error status rather than a 200 stream holding an error."""
     if not request.stream:
@@ -158,8 +176,9 @@ async def _until_disconnected(http: Request) -> None:
         await asyncio.sleep(DISCONNECT_POLL_S)
 
 
-async def _events(builder: ResponseBuilder, first: Any, stream: AsyncIterator[Any],
-                  include_usage: bool) -> AsyncIterator[bytes]:
+async def _events(
+    builder: ResponseBuilder, first: Any, stream: AsyncIterator[Any], include_usage: bool
+) -> AsyncIterator[bytes]:
     try:
         piece = first
         while True:

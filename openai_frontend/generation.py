@@ -4,28 +4,40 @@ Every generation is its own gRPC stream on the client's one channel; closing a `
 HTTP client went away, an error, a cancelled task) cancels every stream it still has open, so the engine
 aborts those requests and frees their KV blocks.
 """
+
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any
 
 from client import AsyncNeoClient, ClientError, GenerationResult
-from neo_backend.errors import InvalidRequestError
 from neo_backend.core.sampling_params import SamplingParams
+from neo_backend.errors import InvalidRequestError
 
 from .errors import APIError, from_client_error
 from .schema import GenerationRequest
 
 # Request fields both APIs share that are engine sampling parameters of the same name.
-_SAMPLING_FIELDS = ("temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty", "ignore_eos",
-                    "min_tokens", "top_k", "repetition_penalty")
+_SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "seed",
+    "stop",
+    "presence_penalty",
+    "frequency_penalty",
+    "ignore_eos",
+    "min_tokens",
+    "top_k",
+    "repetition_penalty",
+)
 
 
 @dataclass(frozen=True)
 class Generation:
-    index: int          # the choice index in the response
-    prompt_index: int   # which prompt it continues
+    index: int  # the choice index in the response
+    prompt_index: int  # which prompt it continues
     prompt: str
     sampling: dict[str, Any]
 

@@ -3,6 +3,7 @@
 Logprobs arrive per token in the vLLM backend's format ({token id: {"logprob", "decoded_token"}}, the sampled
 token first, then the most likely ones); each API gets them in its own shape.
 """
+
 from __future__ import annotations
 
 import abc
@@ -24,8 +25,8 @@ class ChoiceState:
 
     parts: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
-    text_offset: int = 0      # completions' logprobs.text_offset of the next token
-    started: bool = False     # a chat stream has sent this choice's role
+    text_offset: int = 0  # completions' logprobs.text_offset of the next token
+    started: bool = False  # a chat stream has sent this choice's role
     result: GenerationResult | None = None
 
 
@@ -57,12 +58,17 @@ class ResponseBuilder(abc.ABC):
         done = [(g, c.result) for g, c in zip(self.generations, self.choices) if c.result is not None]
         prompt = sum({g.prompt_index: r.num_input_tokens or 0 for g, r in done}.values())
         completion_tokens = sum(r.num_output_tokens for _, r in done)
-        return {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
-                "total_tokens": prompt + completion_tokens}
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt + completion_tokens,
+        }
 
     def response(self) -> dict[str, Any]:
-        choices = [self.choice(i, "".join(c.parts), self._logprobs(c, c.logprobs), _finish(c))
-                   for i, c in enumerate(self.choices)]
+        choices = [
+            self.choice(i, "".join(c.parts), self._logprobs(c, c.logprobs), _finish(c))
+            for i, c in enumerate(self.choices)
+        ]
         return self._envelope(self.object, choices) | {"usage": self.usage()}
 
     def chunk(self, piece: Piece) -> dict[str, Any] | None:
@@ -83,25 +89,24 @@ class ResponseBuilder(abc.ABC):
         return None if self.top_logprobs is None else self.logprobs(choice, entries)
 
     @abc.abstractmethod
-    def choice(self, index: int, text: str, logprobs: dict[str, Any] | None, finish_reason: str | None
-               ) -> dict[str, Any]:
-        ...
+    def choice(
+        self, index: int, text: str, logprobs: dict[str, Any] | None, finish_reason: str | None
+    ) -> dict[str, Any]: ...
 
     @abc.abstractmethod
-    def chunk_choice(self, choice: ChoiceState, piece: Piece, logprobs: dict[str, Any] | None) -> dict[str, Any]:
-        ...
+    def chunk_choice(self, choice: ChoiceState, piece: Piece, logprobs: dict[str, Any] | None) -> dict[str, Any]: ...
 
     @abc.abstractmethod
-    def logprobs(self, choice: ChoiceState, entries: list[TokenLogprobs]) -> dict[str, Any]:
-        ...
+    def logprobs(self, choice: ChoiceState, entries: list[TokenLogprobs]) -> dict[str, Any]: ...
 
 
 class CompletionBuilder(ResponseBuilder):
     object = chunk_object = "text_completion"
     id_prefix = "cmpl-"
 
-    def choice(self, index: int, text: str, logprobs: dict[str, Any] | None, finish_reason: str | None
-               ) -> dict[str, Any]:
+    def choice(
+        self, index: int, text: str, logprobs: dict[str, Any] | None, finish_reason: str | None
+    ) -> dict[str, Any]:
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def chunk_choice(self, choice: ChoiceState, piece: Piece, logprobs: dict[str, Any] | None) -> dict[str, Any]:
@@ -124,23 +129,38 @@ class ChatBuilder(ResponseBuilder):
     chunk_object = "chat.completion.chunk"
     id_prefix = "chatcmpl-"
 
-    def choice(self, index: int, text: str, logprobs: dict[str, Any] | None, finish_reason: str | None
-               ) -> dict[str, Any]:
-        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                "finish_reason": finish_reason}
+    def choice(
+        self, index: int, text: str, logprobs: dict[str, Any] | None, finish_reason: str | None
+    ) -> dict[str, Any]:
+        return {
+            "index": index,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+        }
 
     def chunk_choice(self, choice: ChoiceState, piece: Piece, logprobs: dict[str, Any] | None) -> dict[str, Any]:
         delta: dict[str, str] = {} if piece.result and not piece.text else {"content": piece.text}
         if not choice.started:
             choice.started = True
             delta = {"role": "assistant", "content": piece.text}
-        return {"index": piece.index, "delta": delta, "logprobs": logprobs,
-                "finish_reason": _finish(choice) if piece.result else None}
+        return {
+            "index": piece.index,
+            "delta": delta,
+            "logprobs": logprobs,
+            "finish_reason": _finish(choice) if piece.result else None,
+        }
 
     def logprobs(self, choice: ChoiceState, entries: list[TokenLogprobs]) -> dict[str, Any]:
-        return {"content": [{**_token(_sampled(entry)),
-                             "top_logprobs": [_token(e) for e in _most_likely(entry, self.top_logprobs or 0)]}
-                            for entry in entries]}
+        return {
+            "content": [
+                {
+                    **_token(_sampled(entry)),
+                    "top_logprobs": [_token(e) for e in _most_likely(entry, self.top_logprobs or 0)],
+                }
+                for entry in entries
+            ]
+        }
 
 
 def _finish(choice: ChoiceState) -> str | None:

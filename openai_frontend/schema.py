@@ -4,6 +4,7 @@ Unknown fields are refused (a parameter silently ignored would change results wi
 not coerced ("5" is no integer). Range checks of sampling values are the engine's (`SamplingParams`), so both
 APIs and the Triton model refuse the same values with the same words.
 """
+
 from __future__ import annotations
 
 from typing import Literal

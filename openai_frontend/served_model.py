@@ -3,6 +3,7 @@
 The knobs are read from the model's configuration as Triton loaded it (NEO_* overrides included), so the
 gateway renders chats with the very tokenizer the engine loaded, however the server was started.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -59,8 +60,9 @@ class ServedModel:
                 await asyncio.sleep(READY_POLL_S)
         self.config = engine_config(parameters)
         self.tokenizer = await asyncio.to_thread(_tokenizer, self.config)
-        log.info("serving model %s (chat template: %s)", self.model,
-                 "yes" if self.tokenizer.hf.chat_template else "none")
+        log.info(
+            "serving model %s (chat template: %s)", self.model, "yes" if self.tokenizer.hf.chat_template else "none"
+        )
 
     async def is_ready(self) -> bool:
         if self.tokenizer is None:
@@ -83,15 +85,18 @@ class ServedModel:
         except InvalidRequestError as exc:  # the model has no chat template
             raise APIError(400, f"{exc} to /v1/completions", param="messages") from None
         except Exception as exc:  # a template may refuse a conversation (raise_exception), e.g. roles out of order
-            raise APIError(400, f"the model's chat template cannot render these messages: {exc}",
-                           param="messages") from None
+            raise APIError(
+                400, f"the model's chat template cannot render these messages: {exc}", param="messages"
+            ) from None
 
 
 def engine_config(parameters: dict[str, Any]) -> EngineConfig:
     """The engine's knobs from the `parameters` of the model's config (backend parameters are no knobs)."""
     known = set(EngineConfig.field_names())
-    return EngineConfig.from_strings({k: v.get("string_value", "") for k, v in parameters.items() if k in known},
-                                     source="the Triton model's parameter")
+    return EngineConfig.from_strings(
+        {k: v.get("string_value", "") for k, v in parameters.items() if k in known},
+        source="the Triton model's parameter",
+    )
 
 
 def _tokenizer(config: EngineConfig) -> Tokenizer:

@@ -1,4 +1,5 @@
 """Test helpers for the CPU attention library: its float64 reference, and forcing one of its SIMD paths."""
+
 from __future__ import annotations
 
 import contextlib
@@ -10,16 +11,21 @@ import torch
 from neo_backend.cpu.abi import Isa
 
 
-def reference_paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                     block_tables: torch.Tensor, context_lens: torch.Tensor,
-                                     scale: float) -> torch.Tensor:
+def reference_paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """Plain float64 torch version of `Kernels.paged_decode_attention` (slow; for tests and the benchmark's check)."""
     b, hq, d = q.shape
     block_size, hkv = k_cache.shape[1], k_cache.shape[2]
     out = torch.empty(b, hq, d, dtype=torch.float64)
     for i in range(b):
         n = int(context_lens[i])
-        blocks = block_tables[i, :(n + block_size - 1) // block_size].long()
+        blocks = block_tables[i, : (n + block_size - 1) // block_size].long()
         k = k_cache[blocks].reshape(-1, hkv, d)[:n].double()
         v = v_cache[blocks].reshape(-1, hkv, d)[:n].double()
         qi = q[i].double().view(hkv, hq // hkv, d)

@@ -1,7 +1,8 @@
 """Metric checks of a real server for the tests (the server itself: loadtest.server.triton_server)."""
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from loadtest.metrics import Sample, metric_value, poll_metrics
 from loadtest.server import RunningServer
@@ -17,18 +18,21 @@ def kv_blocks_used(samples: list[Sample]) -> float:
     return metric_value(samples, "neo_kv_blocks_used")
 
 
-def wait_for_metrics(server: RunningServer, condition: Callable[[list[Sample]], bool], what: str,
-                     timeout: float = DRAIN_TIMEOUT_S) -> list[Sample]:
+def wait_for_metrics(
+    server: RunningServer, condition: Callable[[list[Sample]], bool], what: str, timeout: float = DRAIN_TIMEOUT_S
+) -> list[Sample]:
     """The first scrape that meets `condition`, polled as a request's effect on the gauges lags it."""
     samples, met = poll_metrics(server.metrics_url, condition, timeout, interval=0.05)
     if not met:
         neo = [s for s in samples if s[0].startswith("neo_")]
-        raise AssertionError(f"{what} not reached within {timeout:g} s; neo metrics: {neo}; log tail:\n"
-                             f"{server.log_tail(3000)}")
+        raise AssertionError(
+            f"{what} not reached within {timeout:g} s; neo metrics: {neo}; log tail:\n{server.log_tail(3000)}"
+        )
     return samples
 
 
 def wait_idle(server: RunningServer, timeout: float = DRAIN_TIMEOUT_S) -> list[Sample]:
     """The first scrape with no request in the engine and no KV block in use."""
-    return wait_for_metrics(server, lambda s: (requests_in_engine(s), kv_blocks_used(s)) == (0, 0), "an idle engine",
-                            timeout)
+    return wait_for_metrics(
+        server, lambda s: (requests_in_engine(s), kv_blocks_used(s)) == (0, 0), "an idle engine", timeout
+    )

@@ -1,20 +1,20 @@
 """Bad requests and bad knobs get typed errors with clear messages; other requests keep going."""
+
 from __future__ import annotations
 
 import pytest
 
-from neo_backend import (ConfigError, EngineConfig, InvalidRequestError, LLMEngine, ModelLoadError,
-                         SamplingParams)
+from neo_backend import ConfigError, EngineConfig, InvalidRequestError, LLMEngine, ModelLoadError, SamplingParams
 from neo_backend.streaming import StreamingEngine
 
 BAD_REQUESTS = [
     ("", {}, "empty"),
     ([], {}, "non-empty"),
-    ([1, 2, 10 ** 9], {}, "out of range"),
+    ([1, 2, 10**9], {}, "out of range"),
     ("x " * 5000, {}, "max_model_len"),
     ("hi", {"max_tokens": 0}, "max_tokens"),
     ("hi", {"max_tokens": -3}, "max_tokens"),
-    ("hi", {"max_tokens": 10 ** 9}, "max_tokens"),
+    ("hi", {"max_tokens": 10**9}, "max_tokens"),
     ("hi", {"temperature": -0.5}, "temperature"),
     ("hi", {"temperature": float("nan")}, "temperature"),
     ("hi", {"top_p": 0.0}, "top_p"),
@@ -70,16 +70,19 @@ def test_streaming_cancel_frees_blocks(front):
     assert front.engine.gpu_blocks.num_free_blocks == front.engine.gpu_blocks.num_blocks
 
 
-@pytest.mark.parametrize("values,needle", [
-    ({"offload_policy": "sometimes"}, "offload_policy"),
-    ({"block_size": "12"}, "power of two"),
-    ({"max_num_seqs": "0"}, "max_num_seqs"),
-    ({"gpu_memory_utilization": "1.5"}, "gpu_memory_utilization"),
-    ({"num_gpu_blocks": "many"}, "num_gpu_blocks"),
-    ({"no_such_knob": "1"}, "unknown parameter 'no_such_knob'"),
-    ({"gpu_sm_count": "0"}, "gpu_sm_count must be positive"),
-    ({"gpu_sm_count": "eight"}, "gpu_sm_count='eight' is not a valid int"),
-])
+@pytest.mark.parametrize(
+    "values,needle",
+    [
+        ({"offload_policy": "sometimes"}, "offload_policy"),
+        ({"block_size": "12"}, "power of two"),
+        ({"max_num_seqs": "0"}, "max_num_seqs"),
+        ({"gpu_memory_utilization": "1.5"}, "gpu_memory_utilization"),
+        ({"num_gpu_blocks": "many"}, "num_gpu_blocks"),
+        ({"no_such_knob": "1"}, "unknown parameter 'no_such_knob'"),
+        ({"gpu_sm_count": "0"}, "gpu_sm_count must be positive"),
+        ({"gpu_sm_count": "eight"}, "gpu_sm_count='eight' is not a valid int"),
+    ],
+)
 def test_bad_knobs_raise_config_error(values, needle):
     with pytest.raises(ConfigError, match=needle):
         EngineConfig.from_strings(values)

@@ -1,4 +1,5 @@
 """The gRPC client: CLI and sync/asyncio APIs against a real tritonserver serving `neo` (no mocks)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -11,25 +12,34 @@ import sys
 from pathlib import Path
 
 import pytest
+from server_utils import kv_blocks_used, requests_in_engine, wait_for_metrics, wait_idle
 
 from client import AsyncNeoClient, NeoClient, ServerError, render_chat
 from client.__main__ import parse_args, sampling_from_args
 from loadtest.server import RunningServer, triton_server
 from neo_backend.triton.server import free_ports
-from server_utils import kv_blocks_used, requests_in_engine, wait_for_metrics, wait_idle
 
 ROOT = Path(__file__).resolve().parent.parent
-STATS_LINE = re.compile(r"TTFT (\d+\.\d) ms \| TPOT (\d+\.\d) ms \| (\d+\.\d) tokens/s \| (\d+) tokens in "
-                        r"\d+\.\d\d s \| finish_reason (\w+)")
+STATS_LINE = re.compile(
+    r"TTFT (\d+\.\d) ms \| TPOT (\d+\.\d) ms \| (\d+\.\d) tokens/s \| (\d+) tokens in "
+    r"\d+\.\d\d s \| finish_reason (\w+)"
+)
 GREEDY = {"max_tokens": 8, "temperature": 0}
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "client", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "client", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
 
 
 # Without a server -------------------------------------------------------------------------------------------------
+
 
 def test_default_chat_template_renders_like_the_default_model():
     from neo_backend import EngineConfig
@@ -46,16 +56,24 @@ def test_default_chat_template_renders_like_the_default_model():
 
 def test_chat_template_file(tmp_path):
     template = tmp_path / "t.jinja"
-    template.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
-                        "{% if add_generation_prompt %}[assistant] {% endif %}")
+    template.write_text(
+        "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}[assistant] {% endif %}"
+    )
     assert render_chat("hi", template=template.read_text()) == "[user] hi\n[assistant] "
 
 
 def test_cli_flags_become_vllm_sampling_parameters():
-    args = parse_args(["p", "--max-tokens", "5", "--temperature", "0.5", "--top-k", "3", "--stop", "a", "b",
-                       "--ignore-eos"])
-    assert sampling_from_args(args) == {"max_tokens": 5, "temperature": 0.5, "top_k": 3, "stop": ["a", "b"],
-                                        "ignore_eos": True}
+    args = parse_args(
+        ["p", "--max-tokens", "5", "--temperature", "0.5", "--top-k", "3", "--stop", "a", "b", "--ignore-eos"]
+    )
+    assert sampling_from_args(args) == {
+        "max_tokens": 5,
+        "temperature": 0.5,
+        "top_k": 3,
+        "stop": ["a", "b"],
+        "ignore_eos": True,
+    }
     assert sampling_from_args(parse_args(["p"])) == {"max_tokens": 128}
 
 
@@ -90,8 +108,9 @@ def wait_streaming(server: RunningServer) -> float:
 
 
 def test_cli_streams_text_and_prints_stats(server):
-    proc = run_cli("The capital of France is", "--max-tokens", "8", "--temperature", "0", "--stats",
-                   env=client_env(server))
+    proc = run_cli(
+        "The capital of France is", "--max-tokens", "8", "--temperature", "0", "--stats", env=client_env(server)
+    )
     assert proc.returncode == 0, proc.stderr
     with NeoClient(server.grpc_url) as c:
         expected = c.generate("The capital of France is", GREEDY)
@@ -105,8 +124,9 @@ def test_cli_streams_text_and_prints_stats(server):
 
 
 def test_cli_chat_mode(server):
-    proc = run_cli("What is the capital of France?", "--chat", "--max-tokens", "12", "--temperature", "0",
-                   env=client_env(server))
+    proc = run_cli(
+        "What is the capital of France?", "--chat", "--max-tokens", "12", "--temperature", "0", env=client_env(server)
+    )
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
 
@@ -146,8 +166,9 @@ def test_missing_model_and_server_side_errors(server):
 
 
 def test_timeout_is_an_error_and_frees_the_request(server):
-    proc = run_cli("Tell me a long story.", "--max-tokens", "400", "--ignore-eos", "--timeout", "1",
-                   env=client_env(server))
+    proc = run_cli(
+        "Tell me a long story.", "--max-tokens", "400", "--ignore-eos", "--timeout", "1", env=client_env(server)
+    )
     assert proc.returncode == 5, proc.stderr
     assert "did not complete within 1 s" in proc.stderr
     wait_idle(server)
@@ -169,9 +190,13 @@ def test_cancel_mid_stream_frees_kv_blocks(server):
 
 def test_ctrl_c_cancels_the_request_on_the_server(server):
     wait_idle(server)
-    proc = subprocess.Popen([sys.executable, "-m", "client", "Tell me a long story.", "--max-tokens", "400",
-                             "--ignore-eos"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env={**os.environ, **client_env(server)})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "client", "Tell me a long story.", "--max-tokens", "400", "--ignore-eos"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, **client_env(server)},
+    )
     try:
         ready, _, _ = select.select([proc.stdout], [], [], 30)
         assert ready and proc.stdout.read(1), "no streamed output before the interrupt"

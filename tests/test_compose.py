@@ -4,6 +4,7 @@ No Docker engine runs here, so the file is validated the way `docker compose con
 compose-spec schema (tests/data/compose-spec.json, vendored from PyPI `check-jsonschema==0.39.0`, which ships it
 under check_jsonschema/builtin_schemas/vendor/; Apache-2.0, licence beside it).
 """
+
 from __future__ import annotations
 
 import json
@@ -39,8 +40,9 @@ def validate_compose(path: Path) -> dict[str, Any]:
     validator = jsonschema.Draft202012Validator(schema)
     errors = sorted(validator.iter_errors(document), key=lambda e: list(e.absolute_path))
     if errors:
-        raise ComposeInvalid("\n".join(f"{'/'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}"
-                                       for e in errors))
+        raise ComposeInvalid(
+            "\n".join(f"{'/'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}" for e in errors)
+        )
     return document
 
 
@@ -80,7 +82,7 @@ def test_compose_file_matches_the_compose_spec(compose):
 
 
 BREAKAGES = {
-    "ports as a mapping": ("    ports:\n      - \"8000:8000\"", "    ports:\n      http: 8000"),
+    "ports as a mapping": ('    ports:\n      - "8000:8000"', "    ports:\n      http: 8000"),
     "unknown service key": ("    shm_size: 2gb", "    shm_size: 2gb\n    gpus_please: yes"),
     "bad depends_on condition": ("condition: service_healthy", "condition: when_ready"),
     "GPU capabilities not a list": ("capabilities: [gpu]", "capabilities: gpu"),
@@ -116,7 +118,9 @@ def test_triton_ports_health_check_and_gpu(compose):
     triton = compose["services"]["triton"]
     env = read_env_file(ENV_FILE)
     published = {p.split(":")[-1] for p in triton["ports"]}
-    assert published == {env["NEO_HTTP_PORT"], env["NEO_GRPC_PORT"], env["NEO_METRICS_PORT"]} == {"8000", "8001", "8002"}
+    assert (
+        published == {env["NEO_HTTP_PORT"], env["NEO_GRPC_PORT"], env["NEO_METRICS_PORT"]} == {"8000", "8001", "8002"}
+    )
     probe = " ".join(triton["healthcheck"]["test"])
     assert f":{env['NEO_HTTP_PORT']}/v2/health/ready" in probe
     devices = triton["deploy"]["resources"]["reservations"]["devices"]
@@ -135,7 +139,9 @@ def test_locust_service_matches_make_loadtest(compose):
         assert f"$(${variable})" in recipe or f"$({variable})" in recipe
         assert f"$${variable}" in command or f"$${{{variable}" in command, f"{variable} is not passed on"
         default = makefile_default(variable)
-        assert locust["environment"][variable] == f"${{{variable}:-{default}}}", f"{variable} default differs from the Makefile"
+        assert locust["environment"][variable] == f"${{{variable}:-{default}}}", (
+            f"{variable} default differs from the Makefile"
+        )
     assert locust["environment"]["NEO_HOST"] == "triton"
     assert (locust["environment"]["NEO_OPENAI_HOST"], locust["environment"]["NEO_OPENAI_PORT"]) == ("openai", "9000")
     ui = compose["services"]["locust-ui"]

@@ -1,5 +1,6 @@
 """The binding's copy of the C ABI's numbers (neo_backend/cpu/abi.py) against kernels/abi.h, where they are
 defined, so neither side can change one alone."""
+
 from __future__ import annotations
 
 import re
@@ -38,8 +39,9 @@ def python_name(c_name: str) -> str:
     return words.upper()
 
 
-@pytest.mark.parametrize("enum", [abi.DType, abi.Isa, abi.Status, abi.WaitStatus, abi.IterationStatus],
-                         ids=lambda e: e.__name__)
+@pytest.mark.parametrize(
+    "enum", [abi.DType, abi.Isa, abi.Status, abi.WaitStatus, abi.IterationStatus], ids=lambda e: e.__name__
+)
 def test_every_enum_matches_the_header(enum: type[IntEnum]):
     assert {member.name: member.value for member in enum} == header_enum(enum.__name__)
 

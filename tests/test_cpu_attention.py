@@ -1,4 +1,5 @@
 """CPU paged decode-attention library: accuracy against float64, determinism, append, bad input, GIL."""
+
 from __future__ import annotations
 
 import math
@@ -9,14 +10,14 @@ import time
 
 import pytest
 import torch
-
 from kernel_helpers import available_isas, forced_isa, reference_paged_decode_attention
+
 from neo_backend.cpu import build, library
 from neo_backend.cpu.abi import Isa
 from neo_backend.cpu.handoff import Flags, IterationLane
-from neo_backend.executor.host_attention import attention_threads
 from neo_backend.cpu.ops import Kernels
 from neo_backend.errors import KernelInputError
+from neo_backend.executor.host_attention import attention_threads
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -33,8 +34,17 @@ def kernels(threads: int = CORES) -> Kernels:
     return Kernels(library.default(), threads)
 
 
-def make_case(seed: int, lens: list[int], block_size: int, hq: int, hkv: int, d: int, kv_dtype: torch.dtype,
-              q_dtype: torch.dtype = torch.float32, spare_blocks: int = 7):
+def make_case(
+    seed: int,
+    lens: list[int],
+    block_size: int,
+    hq: int,
+    hkv: int,
+    d: int,
+    kv_dtype: torch.dtype,
+    q_dtype: torch.dtype = torch.float32,
+    spare_blocks: int = 7,
+):
     """Random q and caches; each sequence's blocks are scattered over a shuffled pool with spare blocks."""
     g = torch.Generator().manual_seed(seed)
     per_seq = [math.ceil(n / block_size) for n in lens]
@@ -47,7 +57,7 @@ def make_case(seed: int, lens: list[int], block_size: int, hq: int, hkv: int, d:
     tables = torch.full((len(lens), max_blocks), num_blocks + 1000, dtype=torch.int32)
     start = 0
     for i, nb in enumerate(per_seq):
-        tables[i, :nb] = perm[start:start + nb]
+        tables[i, :nb] = perm[start : start + nb]
         start += nb
     q = (torch.randn(len(lens), hq, d, generator=g) * 2).to(q_dtype)
     return q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32)
@@ -58,12 +68,13 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float(((out.double() - ref).abs().amax(-1) / ref.abs().amax(-1)).max())
 
 
-def run(q, k_cache, v_cache, tables, lens, threads: int = CORES, split_long: bool = True,
-        ops: Kernels | None = None) -> torch.Tensor:
+def run(
+    q, k_cache, v_cache, tables, lens, threads: int = CORES, split_long: bool = True, ops: Kernels | None = None
+) -> torch.Tensor:
     out = torch.full_like(q, float("nan"))  # poison: any element the kernel leaves unwritten fails
-    result = (ops or kernels(threads)).paged_decode_attention(q, k_cache, v_cache, tables, lens,
-                                                              1.0 / math.sqrt(q.shape[-1]), out=out,
-                                                              split_long=split_long)
+    result = (ops or kernels(threads)).paged_decode_attention(
+        q, k_cache, v_cache, tables, lens, 1.0 / math.sqrt(q.shape[-1]), out=out, split_long=split_long
+    )
     assert result is out
     return out
 
@@ -182,6 +193,7 @@ def test_append_then_attend():
 
 # --- bad input: KernelInputError before any C code runs -------------------------------------------------
 
+
 def good_args():
     q, k, v, t, lens = make_case(12, [40, 17], 16, 8, 2, 64, torch.float16)
     return dict(q=q, k_cache=k, v_cache=v, block_tables=t, context_lens=lens, scale=0.125)
@@ -200,9 +212,11 @@ BAD_ATTENTION_INPUTS = {
     "k/v dtype mismatch": lambda a: a.update(v_cache=a["v_cache"].float()),
     "k/v shape mismatch": lambda a: a.update(v_cache=a["v_cache"][:-1].contiguous()),
     "cache not contiguous": lambda a: a.update(k_cache=a["k_cache"].transpose(1, 2).contiguous().transpose(1, 2)),
-    "unsupported head_dim": lambda a: a.update(q=a["q"][..., :48].contiguous(),
-                                               k_cache=a["k_cache"][..., :48].contiguous(),
-                                               v_cache=a["v_cache"][..., :48].contiguous()),
+    "unsupported head_dim": lambda a: a.update(
+        q=a["q"][..., :48].contiguous(),
+        k_cache=a["k_cache"][..., :48].contiguous(),
+        v_cache=a["v_cache"][..., :48].contiguous(),
+    ),
     "block_tables int64": lambda a: a.update(block_tables=a["block_tables"].long()),
     "block_tables rows != batch": lambda a: a.update(block_tables=a["block_tables"][:1].contiguous()),
     "context_lens int64": lambda a: a.update(context_lens=a["context_lens"].long()),
@@ -246,8 +260,13 @@ def test_junk_block_ids_past_the_context_are_ignored():
 
 def good_append_args():
     k_cache = torch.zeros(4, 16, 2, 64, dtype=torch.float16)
-    return dict(k=torch.ones(3, 2, 64, dtype=torch.float16), v=torch.ones(3, 2, 64, dtype=torch.float16),
-                k_cache=k_cache, v_cache=torch.zeros_like(k_cache), slot_mapping=torch.tensor([0, 5, 63]))
+    return dict(
+        k=torch.ones(3, 2, 64, dtype=torch.float16),
+        v=torch.ones(3, 2, 64, dtype=torch.float16),
+        k_cache=k_cache,
+        v_cache=torch.zeros_like(k_cache),
+        slot_mapping=torch.tensor([0, 5, 63]),
+    )
 
 
 BAD_APPEND_INPUTS = {
@@ -280,6 +299,7 @@ def test_the_library_refuses_a_simd_path_this_cpu_lacks(lib):
 
 # --- the GIL is released while the kernel runs ----------------------------------------------------------
 
+
 def test_python_thread_progresses_during_a_kernel_call(lib):
     case = make_case(13, [2000] * 8, 16, 32, 8, 128, torch.float16)
     with forced_isa(lib, "scalar"):  # slow path: one call lasts long enough to observe
@@ -306,24 +326,41 @@ def test_python_thread_progresses_during_a_kernel_call(lib):
 
 # --- decode_iteration: the pipeline's whole-iteration loop ----------------------------------------------
 
+
 def iteration_case(num_layers: int = 3):
     """Two lanes (sequences 0-1 and 2 of one case) over `num_layers` layers' caches of the same shape; each
     lane's new token goes to the slot after its context."""
-    lanes, caches = [], [make_case(20 + layer, [25, 40, 9], 16, 8, 2, 64, torch.bfloat16, q_dtype=torch.bfloat16,
-                                   spare_blocks=12)[1:3] for layer in range(num_layers)]
+    lanes, caches = (
+        [],
+        [
+            make_case(20 + layer, [25, 40, 9], 16, 8, 2, 64, torch.bfloat16, q_dtype=torch.bfloat16, spare_blocks=12)[
+                1:3
+            ]
+            for layer in range(num_layers)
+        ],
+    )
     k_caches, v_caches = [c[0] for c in caches], [c[1] for c in caches]
     for lane_rows, seed in (([0, 1], 1), ([2], 2)):
-        q, _, _, tables, lens = make_case(20, [25, 40, 9], 16, 8, 2, 64, torch.bfloat16, q_dtype=torch.bfloat16,
-                                          spare_blocks=12)
+        q, _, _, tables, lens = make_case(
+            20, [25, 40, 9], 16, 8, 2, 64, torch.bfloat16, q_dtype=torch.bfloat16, spare_blocks=12
+        )
         g = torch.Generator().manual_seed(seed)
         rows = torch.tensor(lane_rows)
         tables, lens = tables[rows].contiguous(), lens[rows] + 1
         slots = torch.stack([tables[i, (int(n) - 1) // 16].long() * 16 + (int(n) - 1) % 16 for i, n in enumerate(lens)])
         ready = Flags(num_layers, 0.0)
-        lanes.append(IterationLane(
-            q[rows].contiguous(), torch.randn(len(rows), 2, 64, generator=g).to(torch.bfloat16),
-            torch.randn(len(rows), 2, 64, generator=g).to(torch.bfloat16),
-            torch.full((len(rows), 8, 64), float("nan"), dtype=torch.bfloat16), tables, lens, slots, ready))
+        lanes.append(
+            IterationLane(
+                q[rows].contiguous(),
+                torch.randn(len(rows), 2, 64, generator=g).to(torch.bfloat16),
+                torch.randn(len(rows), 2, 64, generator=g).to(torch.bfloat16),
+                torch.full((len(rows), 8, 64), float("nan"), dtype=torch.bfloat16),
+                tables,
+                lens,
+                slots,
+                ready,
+            )
+        )
     return k_caches, v_caches, lanes
 
 
@@ -338,8 +375,9 @@ def test_decode_iteration_equals_appending_and_attending_layer_by_layer():
     for lane in lanes:
         for k, v in zip(expected_k, expected_v):
             kernels().append_kv(lane.k, lane.v, k, v, lane.slots)
-        last = kernels().paged_decode_attention(lane.q, expected_k[-1], expected_v[-1], lane.block_tables,
-                                                lane.context_lens, 0.125)
+        last = kernels().paged_decode_attention(
+            lane.q, expected_k[-1], expected_v[-1], lane.block_tables, lane.context_lens, 0.125
+        )
         assert torch.equal(lane.out, last), "out holds the last layer's attention"
     assert all(torch.equal(a, b) for a, b in zip(k_caches + v_caches, expected_k + expected_v))
 
@@ -356,22 +394,32 @@ def test_decode_iteration_stops_where_the_launching_side_gave_up():
 def test_decode_iteration_bad_input_raises_before_c(no_c_calls):
     k_caches, v_caches, lanes = iteration_case()
     done, too_few = Flags(6, 0.0), Flags(5, 0.0)
-    fp32_lane = IterationLane(lanes[1].q.float(), lanes[1].k, lanes[1].v, lanes[1].out.float(),
-                              lanes[1].block_tables, lanes[1].context_lens, lanes[1].slots, lanes[1].ready)
+    fp32_lane = IterationLane(
+        lanes[1].q.float(),
+        lanes[1].k,
+        lanes[1].v,
+        lanes[1].out.float(),
+        lanes[1].block_tables,
+        lanes[1].context_lens,
+        lanes[1].slots,
+        lanes[1].ready,
+    )
     iteration = no_c_calls.decode_iteration
     calls = {
         "a layer without a v cache": lambda: iteration(k_caches, v_caches[:2], lanes, done, 0.125, 30),
         "a layer's cache of another shape": lambda: iteration(
-            k_caches[:2] + [k_caches[2][:-1].contiguous()], v_caches, lanes, done, 0.125, 30),
+            k_caches[:2] + [k_caches[2][:-1].contiguous()], v_caches, lanes, done, 0.125, 30
+        ),
         "lanes with different q dtypes": lambda: iteration(k_caches, v_caches, [lanes[0], fp32_lane], done, 0.125, 30),
         "too few done flags": lambda: iteration(k_caches, v_caches, lanes, too_few, 0.125, 30),
     }
-    for name, call in calls.items():
+    for call in calls.values():
         with pytest.raises(KernelInputError):
             call()
 
 
 # --- another build of the library (bench/kernel_ab.py) ---------------------------------------------------
+
 
 @pytest.mark.timeout(600)  # a full compile: minutes on a small, busy host
 def test_a_copy_of_the_sources_builds_apart_and_its_kernels_serve_calls(tmp_path, monkeypatch):
@@ -380,8 +428,9 @@ def test_a_copy_of_the_sources_builds_apart_and_its_kernels_serve_calls(tmp_path
     shutil.copytree(build.KERNEL_DIR, copy)
     assert build.build_key(copy) == build.build_key()
     main = copy / build.MAIN_SOURCE
-    main.write_text(main.read_text().replace("int neo_max_isa(void) { return g_max_isa; }",
-                                             "int neo_max_isa(void) { return 0; }"))
+    main.write_text(
+        main.read_text().replace("int neo_max_isa(void) { return g_max_isa; }", "int neo_max_isa(void) { return 0; }")
+    )
     assert build.build_key(copy) != build.build_key()
     other = library.load(build.build(kernel_dir=copy))
     assert library.best_isa(other) == "scalar"

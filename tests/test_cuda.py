@@ -1,21 +1,21 @@
 """CUDA paths (skipped without a GPU; run on the H200 machine): the fused paged decode kernel, logits against
 the CPU engine, and greedy tokens unchanged by offloading with the real CPU kernel and the real pipeline."""
+
 from __future__ import annotations
 
 import pytest
 import torch
+from test_generation import _collect, _fixed_perf_model, _mixed_requests
 
 from neo_backend import EngineConfig, LLMEngine
 from neo_backend.config import ModelConfig
 from neo_backend.executor.host_pool import HostKVCache
+from neo_backend.executor.swapper import BlockSwapper
 from neo_backend.layers import fused
 from neo_backend.layers.activation import silu_and_mul_reference
 from neo_backend.layers.norm import add_rms_norm_reference
 from neo_backend.layers.paged_decode import decode_attention, decode_attention_reference
 from neo_backend.layers.rotary import RotaryEmbedding, rotate_reference
-from neo_backend.executor.swapper import BlockSwapper
-
-from test_generation import _collect, _fixed_perf_model, _mixed_requests
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -33,8 +33,8 @@ def test_triton_decode_kernel_matches_reference(dtype, heads, kv_heads, head_dim
     k = torch.randn(num_blocks, block_size, kv_heads, head_dim, device="cuda", generator=gen).to(dtype)
     v = torch.randn(num_blocks, block_size, kv_heads, head_dim, device="cuda", generator=gen).to(dtype)
     q = torch.randn(batch, heads, head_dim, device="cuda", generator=gen).to(dtype)
-    ours = decode_attention(q, k, v, tables, lens, head_dim ** -0.5).double()
-    ref = decode_attention_reference(q.double(), k.double(), v.double(), tables, lens, head_dim ** -0.5)
+    ours = decode_attention(q, k, v, tables, lens, head_dim**-0.5).double()
+    ref = decode_attention_reference(q.double(), k.double(), v.double(), tables, lens, head_dim**-0.5)
     assert torch.isfinite(ours).all()
     assert ((ours - ref).norm() / ref.norm()).item() < 1e-2
 
@@ -45,8 +45,9 @@ def test_fused_layers_match_reference(dtype):
     x, res = (torch.randn(33, 4096, device="cuda", generator=gen).to(dtype) for _ in range(2))
     weight = torch.randn(4096, device="cuda", generator=gen).to(dtype)
     for residual in (None, res):
-        for ours, ref in zip(fused.add_rms_norm(x, residual, weight, 1e-5),
-                             add_rms_norm_reference(x, residual, weight, 1e-5)):
+        for ours, ref in zip(
+            fused.add_rms_norm(x, residual, weight, 1e-5), add_rms_norm_reference(x, residual, weight, 1e-5)
+        ):
             torch.testing.assert_close(ours, ref)
     rotary = RotaryEmbedding(128, 4096, 500000.0, None).cuda()
     qkv = torch.randn(33, 48 * 128, device="cuda", generator=gen).to(dtype)
@@ -66,26 +67,61 @@ def test_cuda_logits_match_cpu_engine(tiny_model_dirs):
     params = {"max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 1}
     outs = {}
     for device in ("cpu", "cuda"):
-        engine = LLMEngine(EngineConfig(model=str(tiny_model_dirs["llama3"]), device=device, dtype="float32",
-                                        num_gpu_blocks=64, block_size=16, offload_policy="never"))
+        engine = LLMEngine(
+            EngineConfig(
+                model=str(tiny_model_dirs["llama3"]),
+                device=device,
+                dtype="float32",
+                num_gpu_blocks=64,
+                block_size=16,
+                offload_policy="never",
+            )
+        )
         outs[device] = engine.generate([prompt], params)[0]
     assert outs["cuda"].token_ids == outs["cpu"].token_ids
     assert outs["cuda"].cumulative_logprob == pytest.approx(outs["cpu"].cumulative_logprob, rel=1e-2, abs=1e-2)
 
 
-@pytest.mark.parametrize("policy,pipeline,sm_count", [
-    ("always", "off", None), ("always", "on", None), ("auto", "auto", None),
-    ("never", "auto", 8), ("always", "on", 8), ("auto", "auto", 8)])
+@pytest.mark.parametrize(
+    "policy,pipeline,sm_count",
+    [
+        ("always", "off", None),
+        ("always", "on", None),
+        ("auto", "auto", None),
+        ("never", "auto", 8),
+        ("always", "on", 8),
+        ("auto", "auto", 8),
+    ],
+)
 def test_cuda_greedy_unchanged_by_offload(tiny_model_dirs, policy, pipeline, sm_count, monkeypatch):
     """Against the whole GPU under `never`: the same tokens with offloading, and on an 8-SM partition."""
     prompts, max_tokens = _mixed_requests(32, seed=21)
-    base = LLMEngine(EngineConfig(model=str(tiny_model_dirs["llama3"]), device="cuda", dtype="float32",
-                                  num_gpu_blocks=512, block_size=16, offload_policy="never"))
+    base = LLMEngine(
+        EngineConfig(
+            model=str(tiny_model_dirs["llama3"]),
+            device="cuda",
+            dtype="float32",
+            num_gpu_blocks=512,
+            block_size=16,
+            offload_policy="never",
+        )
+    )
     expected = _collect(base, prompts, max_tokens, stagger=True)
-    engine = LLMEngine(EngineConfig(model=str(tiny_model_dirs["llama3"]), device="cuda", dtype="float32",
-                                    num_gpu_blocks=24, gpu_sm_count=sm_count,
-                                    block_size=16, offload_policy=policy, pipeline=pipeline,
-                                    cpu_kv_cache_gb=0.05, max_num_batched_tokens=128, cpu_latency_slack=1000.0))
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(tiny_model_dirs["llama3"]),
+            device="cuda",
+            dtype="float32",
+            num_gpu_blocks=24,
+            gpu_sm_count=sm_count,
+            block_size=16,
+            offload_policy=policy,
+            pipeline=pipeline,
+            cpu_kv_cache_gb=0.05,
+            max_num_batched_tokens=128,
+            cpu_latency_slack=1000.0,
+        )
+    )
     if policy == "auto":
         _fixed_perf_model(engine, monkeypatch)
     assert _collect(engine, prompts, max_tokens, stagger=True) == expected
@@ -116,15 +152,32 @@ def test_sm_partition_confines_a_bandwidth_bound_step(tmp_path, tiny_model_dirs)
     copy at ~0.64 TB/s against ~4.2 TB/s, so the step runs at most ~1/4 of its full-GPU speed."""
     import json
 
-    config = {"architectures": ["LlamaForCausalLM"], "vocab_size": 32000, "hidden_size": 2048,
-              "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 16,
-              "num_key_value_heads": 16, "head_dim": 128, "max_position_embeddings": 2048}
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 32000,
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "head_dim": 128,
+        "max_position_embeddings": 2048,
+    }
     (tmp_path / "config.json").write_text(json.dumps(config))
     times = {}
     for sm_count in (None, 8):
-        engine = LLMEngine(EngineConfig(model=str(tmp_path), load_format="dummy",
-                                        tokenizer=str(tiny_model_dirs["llama3"]), device="cuda", num_gpu_blocks=256,
-                                        max_num_seqs=64, offload_policy="never", gpu_sm_count=sm_count))
+        engine = LLMEngine(
+            EngineConfig(
+                model=str(tmp_path),
+                load_format="dummy",
+                tokenizer=str(tiny_model_dirs["llama3"]),
+                device="cuda",
+                num_gpu_blocks=256,
+                max_num_seqs=64,
+                offload_policy="never",
+                gpu_sm_count=sm_count,
+            )
+        )
         times[sm_count] = _decode_graph_seconds(engine)
         del engine
     assert times[8] >= 4 * times[None], times
@@ -133,13 +186,13 @@ def test_sm_partition_confines_a_bandwidth_bound_step(tmp_path, tiny_model_dirs)
 def test_swaps_copy_the_right_blocks_while_the_compute_stream_moves_on():
     """A swap's copies run on the copy stream, behind earlier swaps; the compute stream meanwhile allocates and
     fills tensors of the swap's index size, which must not land in the swap's block ids."""
-    cfg = ModelConfig(vocab_size=64, hidden_size=1024, intermediate_size=64, num_layers=4, num_heads=8,
-                      num_kv_heads=8, head_dim=128)
+    cfg = ModelConfig(
+        vocab_size=64, hidden_size=1024, intermediate_size=64, num_layers=4, num_heads=8, num_kv_heads=8, head_dim=128
+    )
     shape = (64, 16, cfg.num_kv_heads, cfg.head_dim)
     device_k = [torch.randn(shape, device="cuda", dtype=torch.float16) for _ in range(cfg.num_layers)]
     device_v = [torch.randn(shape, device="cuda", dtype=torch.float16) for _ in range(cfg.num_layers)]
-    swapper = BlockSwapper(device_k, device_v, HostKVCache(cfg, 64, 16, torch.float16),
-                           torch.device("cuda"))
+    swapper = BlockSwapper(device_k, device_v, HostKVCache(cfg, 64, 16, torch.float16), torch.device("cuda"))
     out_blocks, in_blocks = list(range(1, 33)), list(range(33, 64))
 
     def busy_copy_stream():

@@ -1,20 +1,22 @@
 """Fault isolation inside the engine: a fault fails the requests it touches, never the engine."""
+
 from __future__ import annotations
 
 import itertools
 import threading
 import time
 
+from test_generation import _collect, _mixed_requests, _outputs
+
 from neo_backend import EngineConfig, KernelError, LLMEngine
 from neo_backend.errors import EngineDeadError, QueueFullError
 from neo_backend.streaming import StreamingEngine
 
-from test_generation import _collect, _mixed_requests, _outputs
-
 
 def _tiny_engine(tiny_model_dirs, **knobs) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(tiny_model_dirs["llama3"]), block_size=8, max_num_batched_tokens=64,
-                                  **knobs))
+    return LLMEngine(
+        EngineConfig(model=str(tiny_model_dirs["llama3"]), block_size=8, max_num_batched_tokens=64, **knobs)
+    )
 
 
 def _failing_on_call(real, n: int, error: Exception):
@@ -76,12 +78,16 @@ def test_a_broken_iteration_fails_its_requests_and_the_engine_goes_on(tiny_model
 
 def test_cpu_kernel_failure_fails_over_to_the_gpu(tiny_model_dirs, monkeypatch):
     prompts, max_tokens = _mixed_requests(12, seed=5)
-    reference = _collect(_tiny_engine(tiny_model_dirs, num_gpu_blocks=512, offload_policy="never"),
-                         prompts, max_tokens, stagger=False)
+    reference = _collect(
+        _tiny_engine(tiny_model_dirs, num_gpu_blocks=512, offload_policy="never"), prompts, max_tokens, stagger=False
+    )
     engine = _tiny_engine(tiny_model_dirs, num_gpu_blocks=512, offload_policy="always", cpu_kv_cache_gb=0.01)
     host = engine.runner.host_attention
-    monkeypatch.setattr(host, "run_iteration", _failing_on_call(
-        host.run_iteration, 6, KernelError("injected: the CPU attention library failed")))
+    monkeypatch.setattr(
+        host,
+        "run_iteration",
+        _failing_on_call(host.run_iteration, 6, KernelError("injected: the CPU attention library failed")),
+    )
     assert _collect(engine, prompts, max_tokens, stagger=False) == reference
     assert engine.counters.failures == {"cpu_kernel": 1} and engine.scheduler.policy == "never"
     stats = engine.stats_snapshot()
@@ -92,13 +98,15 @@ def test_cpu_kernel_failure_fails_over_to_the_gpu(tiny_model_dirs, monkeypatch):
 def test_a_failure_inside_a_pipelined_iteration_does_not_strand_the_cpu_worker(tiny_model_dirs, monkeypatch):
     """The launching thread fails mid-iteration while the CPU-attention worker waits for its next step: the
     error reaches the iteration's requests at once and the next pipelined iteration runs normally."""
-    engine = _tiny_engine(tiny_model_dirs, num_gpu_blocks=128, offload_policy="always", pipeline="on",
-                          cpu_kv_cache_gb=0.01)
+    engine = _tiny_engine(
+        tiny_model_dirs, num_gpu_blocks=128, offload_policy="always", pipeline="on", cpu_kv_cache_gb=0.01
+    )
     prompts = [[3, 4, 5], [6, 7, 8, 9]]
     expected = [o.token_ids for o in engine.generate(prompts, {"max_tokens": 6, "temperature": 0})]
     layer = engine.runner.model.layers[1]
-    monkeypatch.setattr(layer, "attention_inputs", _failing_on_call(layer.attention_inputs, 9,
-                                                                    RuntimeError("device lost")))
+    monkeypatch.setattr(
+        layer, "attention_inputs", _failing_on_call(layer.attention_inputs, 9, RuntimeError("device lost"))
+    )
     ids = [engine.add_request(p, {"max_tokens": 6, "temperature": 0}) for p in prompts]
     start = time.monotonic()
     finals = _drain(engine)

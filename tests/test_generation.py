@@ -1,4 +1,5 @@
 """Greedy generation, continuous batching, preemption, sampling, stop strings and streaming text."""
+
 from __future__ import annotations
 
 import random
@@ -19,15 +20,23 @@ def test_greedy_matches_transformers_generate(smollm_engine, hf_smollm):
         ids = smollm_engine.tokenizer.encode(prompt)
         ours = smollm_engine.generate([ids], {"max_tokens": n, "min_tokens": n, "temperature": 0})[0]
         with torch.no_grad():
-            ref = hf_smollm.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                                     eos_token_id=list(smollm_engine.tokenizer.eos_token_ids), pad_token_id=0)
-        assert ours.token_ids == ref[0, len(ids):].tolist(), prompt
+            ref = hf_smollm.generate(
+                torch.tensor([ids]),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                eos_token_id=list(smollm_engine.tokenizer.eos_token_ids),
+                pad_token_id=0,
+            )
+        assert ours.token_ids == ref[0, len(ids) :].tolist(), prompt
 
 
 def _mixed_requests(num: int, seed: int) -> tuple[list[list[int]], list[int]]:
     gen = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(3, 500, (int(torch.randint(3, 90, (1,), generator=gen)),), generator=gen).tolist()
-               for _ in range(num)]
+    prompts = [
+        torch.randint(3, 500, (int(torch.randint(3, 90, (1,), generator=gen)),), generator=gen).tolist()
+        for _ in range(num)
+    ]
     max_tokens = [int(torch.randint(1, 24, (1,), generator=gen)) for _ in range(num)]
     return prompts, max_tokens
 
@@ -44,8 +53,14 @@ def _fixed_perf_model(engine, monkeypatch, remeasured: bool = False) -> None:
     unless `remeasured`, never re-measured). With a measured profile, whether a tiny model's CPU work pays is
     decided by a margin that the start-up timing sets (and on a GPU it never pays, or the fail-safe stops it after
     a timing-dependent number of iterations)."""
-    fixed = {"dense_tokens": [1], "dense_seconds": [0.01], "gpu_attn_per_token": 0.0, "cpu_attn_fixed": 0.0,
-             "cpu_attn_per_request": 0.0, "cpu_attn_per_token": 0.0}
+    fixed = {
+        "dense_tokens": [1],
+        "dense_seconds": [0.01],
+        "gpu_attn_per_token": 0.0,
+        "cpu_attn_fixed": 0.0,
+        "cpu_attn_per_request": 0.0,
+        "cpu_attn_per_token": 0.0,
+    }
     for term, value in fixed.items():
         monkeypatch.setattr(engine.perf_model, term, value)
     if not remeasured:
@@ -74,8 +89,15 @@ def _collect(engine: LLMEngine, prompts, max_tokens, stagger: bool) -> list[list
 @pytest.mark.parametrize("num_blocks", [256, 12])
 def test_staggered_batch_equals_each_alone(tiny_model_dirs, num_blocks):
     prompts, max_tokens = _mixed_requests(16, seed=3)
-    engine = LLMEngine(EngineConfig(model=str(tiny_model_dirs["llama3"]), num_gpu_blocks=num_blocks, block_size=8,
-                                    max_num_batched_tokens=64, offload_policy="never"))
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(tiny_model_dirs["llama3"]),
+            num_gpu_blocks=num_blocks,
+            block_size=8,
+            max_num_batched_tokens=64,
+            offload_policy="never",
+        )
+    )
     together = _collect(engine, prompts, max_tokens, stagger=True)
     if num_blocks == 12:
         assert engine.scheduler.num_preemptions > 0
@@ -108,9 +130,8 @@ def test_seeded_sampling_reproduces(smollm_engine):
 def test_stop_string_cuts_exactly(smollm_engine):
     free = smollm_engine.generate(["The capital of France is"], {"max_tokens": 12, "temperature": 0})[0]
     assert "." in free.text
-    stop = free.text[free.text.index(".") - 2: free.text.index(".") + 1]
-    cut = smollm_engine.generate(["The capital of France is"], {"max_tokens": 12, "temperature": 0,
-                                                                "stop": [stop]})[0]
+    stop = free.text[free.text.index(".") - 2 : free.text.index(".") + 1]
+    cut = smollm_engine.generate(["The capital of France is"], {"max_tokens": 12, "temperature": 0, "stop": [stop]})[0]
     assert cut.finish_reason == "stop"
     assert cut.text == free.text[: free.text.index(stop)]
 
@@ -156,8 +177,24 @@ def test_finish_reasons_and_logprobs(smollm_engine):
 
 
 def test_cli_generate_prints_paris():
-    proc = subprocess.run([sys.executable, "-m", "neo_backend", "generate", "--prompt", "The capital of France is",
-                           "--max-tokens", "8", "--temperature", "0", "--num-gpu-blocks", "64"],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "neo_backend",
+            "generate",
+            "--prompt",
+            "The capital of France is",
+            "--max-tokens",
+            "8",
+            "--temperature",
+            "0",
+            "--num-gpu-blocks",
+            "64",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout

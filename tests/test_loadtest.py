@@ -1,6 +1,8 @@
 """Load test: workloads, prompt-length approximation, summary and chart, and a real ~20 s run against a server."""
+
 from __future__ import annotations
 
+import argparse
 import csv
 import os
 import random
@@ -17,7 +19,7 @@ from loadtest.__main__ import duration_seconds
 from loadtest.records import RecordWriter, RequestRecord, read_records
 from loadtest.report import plot_percentiles_over_time, summarize
 from loadtest.server import RunningServer, triton_server
-from loadtest.workloads import A10GSource, WORKLOADS, make_source, words
+from loadtest.workloads import WORKLOADS, A10GSource, make_source, words
 
 ROOT = Path(__file__).resolve().parent.parent
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -89,7 +91,7 @@ def test_conversation_history_grows_then_resets_and_is_capped():
 
 def test_duration_syntax():
     assert [duration_seconds(d) for d in ("20s", "5m", "1h30m", "90")] == [20, 300, 5400, 90]
-    with pytest.raises(Exception):
+    with pytest.raises(argparse.ArgumentTypeError, match="bad duration"):
         duration_seconds("soon")
 
 
@@ -99,8 +101,18 @@ def test_summary_percentiles_and_chart(tmp_path):
     writer = RecordWriter(path)
     ttfts = rng.uniform(0.05, 0.5, 200)
     for i, ttft in enumerate(ttfts):
-        writer.write(RequestRecord(start=1000.0 + i * 0.1, end=1001.0 + i * 0.1, ok=True, ttft=float(ttft),
-                                   tpot=0.02, e2e=1.0, input_tokens=32, output_tokens=10))
+        writer.write(
+            RequestRecord(
+                start=1000.0 + i * 0.1,
+                end=1001.0 + i * 0.1,
+                ok=True,
+                ttft=float(ttft),
+                tpot=0.02,
+                e2e=1.0,
+                input_tokens=32,
+                output_tokens=10,
+            )
+        )
     writer.write(RequestRecord(start=1010.0, end=1010.5, ok=False, error="ServerError: boom"))
     writer.close()
     records = list(read_records(path))
@@ -119,6 +131,7 @@ def test_summary_percentiles_and_chart(tmp_path):
 
 # Against a real server ---------------------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def server() -> RunningServer:
     with triton_server({"num_gpu_blocks": 512, "max_model_len": 512, "cpu_kv_cache_gb": 0.05}) as running:
@@ -128,13 +141,31 @@ def server() -> RunningServer:
 def run_loadtest(server: RunningServer, results: Path, *args: str) -> subprocess.CompletedProcess:
     """The command `make loadtest` runs, with the server address from NEO_* as `make serve` takes it."""
     env = {**os.environ, "NEO_HOST": server.address.host, "NEO_GRPC_PORT": str(server.address.grpc_port)}
-    return subprocess.run([sys.executable, "-m", "loadtest", *args, "--results-dir", str(results)], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=240)
+    return subprocess.run(
+        [sys.executable, "-m", "loadtest", *args, "--results-dir", str(results)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
 
 
 def test_loadtest_20s_closed_loop(server, tmp_path):
-    proc = run_loadtest(server, tmp_path, "--duration", "20s", "--users", "4", "--workload", "fixed",
-                        "--input-tokens", "64", "--output-tokens", "12")
+    proc = run_loadtest(
+        server,
+        tmp_path,
+        "--duration",
+        "20s",
+        "--users",
+        "4",
+        "--workload",
+        "fixed",
+        "--input-tokens",
+        "64",
+        "--output-tokens",
+        "12",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     last = proc.stdout.strip().splitlines()[-5:]  # the summary table is the last lines
     assert last[0].split() == ["metric", "P50", "ms", "P90", "ms", "P99", "ms", "mean", "ms"]
@@ -155,8 +186,22 @@ def test_loadtest_20s_closed_loop(server, tmp_path):
 
 
 def test_loadtest_open_loop_poisson(server, tmp_path):
-    proc = run_loadtest(server, tmp_path, "--duration", "8s", "--users", "2", "--rate", "2",
-                        "--input-tokens", "16", "--output-tokens", "4", "--seed", "1")
+    proc = run_loadtest(
+        server,
+        tmp_path,
+        "--duration",
+        "8s",
+        "--users",
+        "2",
+        "--rate",
+        "2",
+        "--input-tokens",
+        "16",
+        "--output-tokens",
+        "4",
+        "--seed",
+        "1",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Poisson 2 req/s" in proc.stdout
     records = list(read_records(tmp_path / "requests.jsonl"))

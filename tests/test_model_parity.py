@@ -1,4 +1,5 @@
 """Engine logits against Hugging Face transformers on the same weights, fp32: prefill and 20 decode steps."""
+
 from __future__ import annotations
 
 import pytest
@@ -26,8 +27,7 @@ def engine_logits(engine: LLMEngine, prompt_ids: list[int]) -> tuple[list[int], 
     recorder = LogitRecorder(engine.runner.sampler)
     engine.runner.sampler = recorder
     try:
-        out = engine.generate([prompt_ids], {"max_tokens": DECODE_STEPS + 1, "temperature": 0,
-                                             "ignore_eos": True})[0]
+        out = engine.generate([prompt_ids], {"max_tokens": DECODE_STEPS + 1, "temperature": 0, "ignore_eos": True})[0]
     finally:
         engine.runner.sampler = recorder.sampler
     return out.token_ids, torch.stack(recorder.logits)
@@ -37,7 +37,7 @@ def hf_logits(model, prompt_ids: list[int], output_ids: list[int]) -> torch.Tens
     ids = torch.tensor([prompt_ids + output_ids[:-1]])
     with torch.no_grad():
         logits = model(ids).logits[0].float()
-    return logits[len(prompt_ids) - 1:]
+    return logits[len(prompt_ids) - 1 :]
 
 
 def assert_close(ours: torch.Tensor, ref: torch.Tensor) -> None:
@@ -64,8 +64,7 @@ def test_chunked_prefill_matches_transformers(tiny_model_dirs):
     from transformers import AutoModelForCausalLM
 
     directory = tiny_model_dirs["llama3"]
-    engine = LLMEngine(EngineConfig(model=str(directory), num_gpu_blocks=64, block_size=8,
-                                    max_num_batched_tokens=16))
+    engine = LLMEngine(EngineConfig(model=str(directory), num_gpu_blocks=64, block_size=8, max_num_batched_tokens=16))
     hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     prompt = torch.randint(3, 500, (75,), generator=torch.Generator().manual_seed(2)).tolist()
     tokens, ours = engine_logits(engine, prompt)

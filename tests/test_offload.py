@@ -1,4 +1,5 @@
 """NEO offload end to end on CPU: greedy tokens do not depend on where requests live or how a step runs."""
+
 from __future__ import annotations
 
 import os
@@ -7,13 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_generation import _collect, _fixed_perf_model, _mixed_requests, _outputs
 
 from neo_backend import EngineConfig, LLMEngine
 from neo_backend.cpu.ops import Kernels
 from neo_backend.executor.host_pool import HUGE_PAGE_BYTES, huge_page_tensor
 from neo_backend.streaming import StreamingEngine
-
-from test_generation import _collect, _fixed_perf_model, _mixed_requests, _outputs
 
 CONFIGS = {
     "never": dict(offload_policy="never"),
@@ -25,8 +25,11 @@ CONFIGS = {
 
 def _engine(model_dir, num_gpu_blocks: int, **knobs) -> LLMEngine:
     knobs = {"cpu_kv_cache_gb": 0.01, **knobs}
-    return LLMEngine(EngineConfig(model=str(model_dir), num_gpu_blocks=num_gpu_blocks, block_size=8,
-                                  max_num_batched_tokens=64, **knobs))
+    return LLMEngine(
+        EngineConfig(
+            model=str(model_dir), num_gpu_blocks=num_gpu_blocks, block_size=8, max_num_batched_tokens=64, **knobs
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -60,12 +63,17 @@ def test_greedy_tokens_identical_across_policies(tiny_model_dirs, workload, refe
 
 
 def test_smollm_greedy_unchanged_by_offload(smollm_engine):
-    prompts = [smollm_engine.tokenizer.encode(p) for p in
-               ["The capital of France is", "List three colors:", "def add(a, b):", "Water boils at"]]
+    prompts = [
+        smollm_engine.tokenizer.encode(p)
+        for p in ["The capital of France is", "List three colors:", "def add(a, b):", "Water boils at"]
+    ]
     max_tokens = [12, 10, 14, 8]
     expected = [_collect(smollm_engine, [p], [m], stagger=False)[0] for p, m in zip(prompts, max_tokens)]
-    engine = LLMEngine(EngineConfig(offload_policy="always", pipeline="on", num_gpu_blocks=64,
-                                    cpu_kv_cache_gb=0.05, max_num_batched_tokens=128))
+    engine = LLMEngine(
+        EngineConfig(
+            offload_policy="always", pipeline="on", num_gpu_blocks=64, cpu_kv_cache_gb=0.05, max_num_batched_tokens=128
+        )
+    )
     assert _collect(engine, prompts, max_tokens, stagger=True) == expected
     assert engine.stats_snapshot()["modes"].get("pipelined", 0) > 0
     assert engine.cpu_blocks.num_free_blocks == engine.cpu_blocks.num_blocks
@@ -101,8 +109,9 @@ def test_auto_backs_off_when_cpu_attention_is_slowed(tiny_model_dirs, workload, 
     for step in range(5000):
         if 2 * len(order) <= step and len(order) < len(prompts):
             i = len(order)
-            order.append(engine.add_request(prompts[i], {"max_tokens": max_tokens[i], "temperature": 0,
-                                                         "ignore_eos": True}))
+            order.append(
+                engine.add_request(prompts[i], {"max_tokens": max_tokens[i], "temperature": 0, "ignore_eos": True})
+            )
             tokens[order[-1]] = []
         if len(order) == len(prompts) and not engine.has_unfinished_requests():
             break
@@ -155,12 +164,15 @@ def test_the_runner_reports_the_swap_outs_that_landed_and_only_those_decode(tiny
 def test_engine_cpu_pins_the_loop_and_keeps_cpu_attention_off_it(tiny_model_dirs, workload, reference_tokens):
     allowed = os.sched_getaffinity(0)
     engine_cpu = max(allowed)
-    front = StreamingEngine(engine=_engine(tiny_model_dirs["llama3"], 24, offload_policy="always", pipeline="on",
-                                           engine_cpu=engine_cpu))
+    front = StreamingEngine(
+        engine=_engine(tiny_model_dirs["llama3"], 24, offload_policy="always", pipeline="on", engine_cpu=engine_cpu)
+    )
     try:
         prompts, max_tokens = workload
-        streams = [front.submit(p, {"max_tokens": m, "temperature": 0, "ignore_eos": True})
-                   for p, m in zip(prompts, max_tokens)]
+        streams = [
+            front.submit(p, {"max_tokens": m, "temperature": 0, "ignore_eos": True})
+            for p, m in zip(prompts, max_tokens)
+        ]
         tokens = [[t for out in _outputs(stream) for t in out.token_ids] for stream in streams]
         threads = {t.name: t.native_id for t in threading.enumerate()}
         assert os.sched_getaffinity(threads["neo-engine-loop"]) == {engine_cpu}
@@ -181,8 +193,13 @@ def test_an_engine_cpu_this_process_may_not_use_is_a_clear_error(tiny_model_dirs
 
 def test_a_host_pool_smaller_than_the_profile_shapes_still_profiles(tiny_model_dirs, tmp_path):
     block_bytes = _engine(tiny_model_dirs["llama3"], 24, offload_policy="never").runner.block_bytes
-    engine = _engine(tiny_model_dirs["llama3"], 24, offload_policy="auto", cpu_kv_cache_gb=3 * block_bytes / 2 ** 30,
-                     cache_dir=str(tmp_path))
+    engine = _engine(
+        tiny_model_dirs["llama3"],
+        24,
+        offload_policy="auto",
+        cpu_kv_cache_gb=3 * block_bytes / 2**30,
+        cache_dir=str(tmp_path),
+    )
     assert engine.runner.num_cpu_blocks == 3
     assert engine.perf_model.cpu_attention(4, 4 * 8) > 0
 
@@ -191,7 +208,7 @@ def test_the_host_pool_asks_for_huge_pages():
     """Whether Linux grants the huge pages depends on its free memory; that the pool asks for them does not."""
     if not Path("/proc/self/smaps").exists():
         pytest.skip("no /proc/self/smaps on this system")
-    pool = huge_page_tensor((32, 2 ** 20 + 1), torch.float16)
+    pool = huge_page_tensor((32, 2**20 + 1), torch.float16)
     assert pool.data_ptr() % HUGE_PAGE_BYTES == 0 and pool.is_contiguous()
     for address in (pool.data_ptr(), pool[-1, -1].data_ptr()):
         assert "hg" in _vm_flags(address), "the whole pool should be advised MADV_HUGEPAGE"

@@ -1,6 +1,7 @@
 """The OpenAI-compatible gateway in front of a real tritonserver and the default model, driven by the official
 `openai` SDK: completions and chat, streaming and not, sampling parameters, usage, logprobs, errors, a dropped
 stream, and the API key."""
+
 from __future__ import annotations
 
 import contextlib
@@ -13,23 +14,23 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import openai
 import pytest
+from server_utils import kv_blocks_used, requests_in_engine, wait_for_metrics, wait_idle
 from starlette.testclient import TestClient
 
 from client import NeoClient, ServerError, render_chat
 from loadtest.records import read_records
 from loadtest.server import RunningServer, triton_server
 from neo_backend import EngineConfig
-from neo_backend.triton.server import free_ports, launch_gateway, stop_gateway
 from neo_backend.models.tokenizer import Tokenizer
+from neo_backend.triton.server import free_ports, launch_gateway, stop_gateway
 from openai_frontend import GatewayConfig, create_app
 from openai_frontend.errors import APIError, from_client_error
 from openai_frontend.served_model import ServedModel
-from server_utils import kv_blocks_used, requests_in_engine, wait_for_metrics, wait_idle
 
 ROOT = Path(__file__).resolve().parent.parent
 KNOBS = {"num_gpu_blocks": 256, "max_model_len": 512, "cpu_kv_cache_gb": 0.05, "max_num_seqs": 16}
@@ -104,6 +105,7 @@ def grpc(server) -> Iterator[NeoClient]:
 
 # Completions and chat -----------------------------------------------------------------------------------------
 
+
 def test_greedy_completion_equals_the_triton_client_and_counts_its_tokens(api, grpc):
     expected = grpc.generate(PROMPT, {"max_tokens": 12, "temperature": 0})
     response = api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
@@ -117,8 +119,16 @@ def test_greedy_completion_equals_the_triton_client_and_counts_its_tokens(api, g
 
 def test_streamed_completion_equals_the_whole_one_and_ends_with_usage(api):
     whole = api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
-    chunks = list(api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stream=True,
-                                         stream_options={"include_usage": True}))
+    chunks = list(
+        api.completions.create(
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     texts = [c.choices[0].text for c in chunks if c.choices]
     assert len(texts) > 3, "the text should arrive in several chunks"
     assert "".join(texts) == whole.choices[0].text
@@ -128,8 +138,9 @@ def test_streamed_completion_equals_the_whole_one_and_ends_with_usage(api):
 
 def test_chat_uses_the_models_template_and_equals_the_triton_client(api, grpc):
     expected = grpc.generate(render_chat(QUESTION), {"max_tokens": 24, "temperature": 0})
-    response = api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}],
-                                           max_tokens=24, temperature=0)
+    response = api.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": QUESTION}], max_tokens=24, temperature=0
+    )
     choice = response.choices[0]
     assert choice.message.role == "assistant" and choice.message.content == expected.text
     assert "Paris" in expected.text
@@ -141,8 +152,16 @@ def test_chat_uses_the_models_template_and_equals_the_triton_client(api, grpc):
 def test_streamed_chat_sends_the_role_then_the_content(api):
     messages = [{"role": "system", "content": "You answer in one word."}, {"role": "user", "content": QUESTION}]
     whole = api.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=16, temperature=0)
-    chunks = list(api.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=16,
-                                              temperature=0, stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        api.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_completion_tokens=16,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert deltas[0].role == "assistant"
     assert "".join(d.content or "" for d in deltas) == whole.choices[0].message.content
@@ -151,15 +170,17 @@ def test_streamed_chat_sends_the_role_then_the_content(api):
 
 
 def test_a_chat_without_a_limit_is_not_cut_at_16_tokens(api):
-    response = api.chat.completions.create(model=MODEL, temperature=0, stop=["."],
-                                           messages=[{"role": "user", "content": "Write a story about a dragon."}])
+    response = api.chat.completions.create(
+        model=MODEL, temperature=0, stop=["."], messages=[{"role": "user", "content": "Write a story about a dragon."}]
+    )
     assert response.choices[0].finish_reason == "stop"
     assert response.usage.completion_tokens > 16, "a chat's default length is not the completions default of 16"
 
 
 def test_a_model_without_a_chat_template_refuses_chat():
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import models
     from transformers import PreTrainedTokenizerFast
-    from tokenizers import Tokenizer as RawTokenizer, models
 
     served = ServedModel("127.0.0.1:1", MODEL, 1.0)
     served.config = EngineConfig()
@@ -171,6 +192,7 @@ def test_a_model_without_a_chat_template_refuses_chat():
 
 # Parameters ---------------------------------------------------------------------------------------------------
 
+
 def test_stop_string_ends_the_text_before_it(api):
     response = api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stop=["."])
     assert response.choices[0].text == " Paris"
@@ -179,8 +201,9 @@ def test_stop_string_ends_the_text_before_it(api):
 
 def test_seeded_sampling_repeats_and_n_choices_differ(api):
     def sample(seed: int, n: int = 1) -> list[str]:
-        response = api.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=16, temperature=1.0,
-                                          seed=seed, n=n)
+        response = api.completions.create(
+            model=MODEL, prompt="Once upon a time", max_tokens=16, temperature=1.0, seed=seed, n=n
+        )
         return [c.text for c in sorted(response.choices, key=lambda c: c.index)]
 
     first = sample(7, n=2)
@@ -206,30 +229,48 @@ def test_logprobs_of_completions_and_chat(api):
     assert "".join(logprobs.tokens) == response.choices[0].text
     assert len(logprobs.token_logprobs) == 6 and all(lp <= 0 for lp in logprobs.token_logprobs)
     # greedy: the sampled token is the most likely one
-    assert all(len(top) == 2 and max(top.values()) == lp for top, lp in zip(logprobs.top_logprobs,
-                                                                             logprobs.token_logprobs))
+    assert all(
+        len(top) == 2 and max(top.values()) == lp for top, lp in zip(logprobs.top_logprobs, logprobs.token_logprobs)
+    )
     assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(6)]
 
-    chat = api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}], max_tokens=5,
-                                       temperature=0, logprobs=True, top_logprobs=3)
+    chat = api.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": QUESTION}],
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
     content = chat.choices[0].logprobs.content
     assert "".join(t.token for t in content) == chat.choices[0].message.content
     assert all(len(t.top_logprobs) == 3 and t.top_logprobs[0].logprob == t.logprob for t in content)
 
 
 def test_vllm_extra_parameters_reach_the_engine(api):
-    response = api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20, temperature=0,
-                                      extra_body={"ignore_eos": True, "min_tokens": 20, "top_k": 5,
-                                                  "repetition_penalty": 1.1})
+    response = api.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=20,
+        temperature=0,
+        extra_body={"ignore_eos": True, "min_tokens": 20, "top_k": 5, "repetition_penalty": 1.1},
+    )
     assert response.usage.completion_tokens == 20 and response.choices[0].finish_reason == "length"
 
 
 # Errors -------------------------------------------------------------------------------------------------------
 
+
 def test_bad_requests_get_their_status_while_another_stream_keeps_streaming(api, base_url, server):
-    long_stream = api.completions.create(model=MODEL, prompt="Tell me a story.", max_tokens=120, temperature=0,
-                                         stream=True, stream_options={"include_usage": True},
-                                         extra_body={"ignore_eos": True})
+    long_stream = api.completions.create(
+        model=MODEL,
+        prompt="Tell me a story.",
+        max_tokens=120,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     chunks = iter(long_stream)
     streamed = [next(chunks)]
 
@@ -243,11 +284,15 @@ def test_bad_requests_get_their_status_while_another_stream_keeps_streaming(api,
     assert status == 404 and "'gpt-4' does not exist" in error.message and error.body["param"] == "model"
     status, error = status_and_error(lambda: api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=-1))
     assert status == 400 and "max_tokens must be >= 1" in error.message
-    status, error = status_and_error(lambda: api.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "hi"}], extra_body={"best_of": 2}))
+    status, error = status_and_error(
+        lambda: api.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], extra_body={"best_of": 2}
+        )
+    )
     assert status == 400 and "unknown parameter 'best_of'" in error.message and error.body["param"] == "best_of"
-    status, error = status_and_error(lambda: api.completions.create(model=MODEL, prompt="word " * 600,
-                                                                     max_tokens=4, stream=True))
+    status, error = status_and_error(
+        lambda: api.completions.create(model=MODEL, prompt="word " * 600, max_tokens=4, stream=True)
+    )
     assert status == 400 and "max_model_len is 512" in error.message and error.body["param"] == "prompt"
     status, error = status_and_error(lambda: api.completions.create(model=MODEL, prompt=PROMPT, temperature="hot"))
     assert status == 400 and error.body["param"] == "temperature"
@@ -278,11 +323,17 @@ def test_model_errors_map_to_their_status():
 
 # Cancellation, models, health, API key -----------------------------------------------------------------------
 
+
 def test_a_dropped_stream_frees_its_kv_blocks(api, server):
     wait_idle(server)
-    stream = api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Tell me a long story."}],
-                                         max_tokens=400, temperature=0, stream=True,
-                                         extra_body={"ignore_eos": True})
+    stream = api.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Tell me a long story."}],
+        max_tokens=400,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     for n, _ in enumerate(stream, 1):
         if n == 3:
             break
@@ -296,8 +347,9 @@ def test_a_client_that_gives_up_on_a_whole_answer_frees_its_kv_blocks(api, serve
     wait_idle(server)
     impatient = api.with_options(timeout=3.0)
     with pytest.raises(openai.APITimeoutError):
-        impatient.completions.create(model=MODEL, prompt="Tell me a long story.", max_tokens=400, temperature=0,
-                                     extra_body={"ignore_eos": True})
+        impatient.completions.create(
+            model=MODEL, prompt="Tell me a long story.", max_tokens=400, temperature=0, extra_body={"ignore_eos": True}
+        )
     wait_idle(server)
 
 
@@ -325,12 +377,34 @@ def test_api_key_is_required_when_configured():
 
 # Load test over the OpenAI API ---------------------------------------------------------------------------------
 
+
 def test_loadtest_drives_the_gateway(base_url, tmp_path):
     host, port = base_url.removeprefix("http://").split(":")
     env = {**os.environ, "NEO_OPENAI_HOST": host, "NEO_OPENAI_PORT": port}
-    proc = subprocess.run([sys.executable, "-m", "loadtest", "--api", "openai", "--duration", "10s", "--users", "4",
-                           "--input-tokens", "32", "--output-tokens", "8", "--results-dir", str(tmp_path)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "loadtest",
+            "--api",
+            "openai",
+            "--duration",
+            "10s",
+            "--users",
+            "4",
+            "--input-tokens",
+            "32",
+            "--output-tokens",
+            "8",
+            "--results-dir",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     last = proc.stdout.strip().splitlines()[-6:]
     assert "(openai)" in last[0]

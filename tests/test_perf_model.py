@@ -1,6 +1,7 @@
 """The performance model on hand-computed numbers: the dense term interpolated between profiled token counts, the
 host-attention plane fit, how the terms make the sequential and pipelined predictions, the online host correction,
 and the profile cache, keyed by what the timings depend on."""
+
 from __future__ import annotations
 
 import json
@@ -8,8 +9,9 @@ import json
 import numpy as np
 import pytest
 
-from neo_backend import EngineConfig, LLMEngine, profiler
+from neo_backend import EngineConfig, LLMEngine
 from neo_backend.core.perf_model import PerfModel, fit_plane, load_cached, save
+from neo_backend.executor import profiler
 
 MS = 1e-3
 
@@ -17,20 +19,33 @@ MS = 1e-3
 def _model(**terms) -> PerfModel:
     """Dense 10 ms up to 8 tokens, 12 ms at 64 and 30 ms at 256; device attention 1 us per context token;
     host attention 0.1 ms + 0.2 ms per request + 0.3 us per context token."""
-    base = dict(dense_tokens=[8, 64, 256], dense_seconds=[10 * MS, 12 * MS, 30 * MS], gpu_attn_per_token=1e-6,
-                cpu_attn_fixed=0.1 * MS, cpu_attn_per_request=0.2 * MS, cpu_attn_per_token=0.3e-6)
+    base = dict(
+        dense_tokens=[8, 64, 256],
+        dense_seconds=[10 * MS, 12 * MS, 30 * MS],
+        gpu_attn_per_token=1e-6,
+        cpu_attn_fixed=0.1 * MS,
+        cpu_attn_per_request=0.2 * MS,
+        cpu_attn_per_token=0.3e-6,
+    )
     return PerfModel(**{**base, **terms})
 
 
 # Predictions -----------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("tokens,seconds", [
-    (0, 0.0),                                # nothing to run
-    (1, 10 * MS), (8, 10 * MS),              # at and below the first profiled count: its time
-    (36, 11 * MS), (64, 12 * MS),            # halfway between 8 and 64, and at 64
-    (160, 21 * MS), (256, 30 * MS),          # halfway between 64 and 256, and at 256
-    (448, 48 * MS),                          # beyond: the last segment's slope, 18 ms per 192 tokens
-])
+
+@pytest.mark.parametrize(
+    "tokens,seconds",
+    [
+        (0, 0.0),  # nothing to run
+        (1, 10 * MS),
+        (8, 10 * MS),  # at and below the first profiled count: its time
+        (36, 11 * MS),
+        (64, 12 * MS),  # halfway between 8 and 64, and at 64
+        (160, 21 * MS),
+        (256, 30 * MS),  # halfway between 64 and 256, and at 256
+        (448, 48 * MS),  # beyond: the last segment's slope, 18 ms per 192 tokens
+    ],
+)
 def test_dense_time_is_piecewise_linear_through_the_profiled_points(tokens, seconds):
     assert _model().dense(tokens) == pytest.approx(seconds)
 
@@ -52,18 +67,26 @@ def test_sequential_adds_every_term_and_counts_host_requests_as_dense_tokens():
     assert _model().sequential(24, 2000, 40, 20_000) == pytest.approx((12 + 2 + 0.1 + 8 + 6) * MS)
 
 
-@pytest.mark.parametrize("per_request,pipelined,sequential", [
-    # host attention (2 and 6 ms) hides under the other sub-batch's dense work (15 and 17 ms)
-    (1 * MS, (17 + 15) * MS, (23 + 8) * MS),
-    # the first overlap waits for sub-batch 1's host attention (24 ms), the second hides sub-batch 0's (8 ms)
-    (4 * MS, (24 + 15) * MS, (23 + 32) * MS),
-])
-def test_pipelined_overlaps_each_sub_batch_host_attention_with_the_other_dense_work(per_request, pipelined,
-                                                                                    sequential):
+@pytest.mark.parametrize(
+    "per_request,pipelined,sequential",
+    [
+        # host attention (2 and 6 ms) hides under the other sub-batch's dense work (15 and 17 ms)
+        (1 * MS, (17 + 15) * MS, (23 + 8) * MS),
+        # the first overlap waits for sub-batch 1's host attention (24 ms), the second hides sub-batch 0's (8 ms)
+        (4 * MS, (24 + 15) * MS, (23 + 32) * MS),
+    ],
+)
+def test_pipelined_overlaps_each_sub_batch_host_attention_with_the_other_dense_work(per_request, pipelined, sequential):
     """6 device decodes and 8 host ones, 2 in sub-batch 0 (with the device's) and 6 in sub-batch 1; dense work
     9 ms + 1 ms per token."""
-    model = _model(dense_tokens=[1, 17], dense_seconds=[10 * MS, 26 * MS], gpu_attn_per_token=0.0,
-                   cpu_attn_fixed=0.0, cpu_attn_per_request=per_request, cpu_attn_per_token=0.0)
+    model = _model(
+        dense_tokens=[1, 17],
+        dense_seconds=[10 * MS, 26 * MS],
+        gpu_attn_per_token=0.0,
+        cpu_attn_fixed=0.0,
+        cpu_attn_per_request=per_request,
+        cpu_attn_per_token=0.0,
+    )
     assert model.pipelined(6, 0, (2, 0), (6, 0)) == pytest.approx(pipelined)
     assert model.sequential(6, 0, 8, 0) == pytest.approx(sequential)
 
@@ -103,6 +126,7 @@ def test_fit_plane_clamps_a_negative_coefficient_to_zero():
 
 # Online correction -------------------------------------------------------------------------------------------------
 
+
 def test_host_correction_moves_each_observation_toward_the_measured_time():
     """Host attention measured at twice the profile: every observation brings the prediction closer, and it
     settles on the measured time."""
@@ -132,14 +156,17 @@ def test_reset_observations_returns_to_the_profile():
 
 # The profile cache -------------------------------------------------------------------------------------------------
 
+
 def test_a_saved_profile_loads_back_without_its_observations(tmp_path):
     path = tmp_path / "profiles" / "key.json"
     save(_model(cpu_correction=1.7, gpu_only_ratio=1.2, offload_ratio=2.0), path)
     assert load_cached(path) == _model()
 
 
-@pytest.mark.parametrize("content", [None, "{not json", json.dumps({"dense_tokens": [1]}),
-                                     json.dumps({**vars(_model()), "from_a_newer_version": 1})])
+@pytest.mark.parametrize(
+    "content",
+    [None, "{not json", json.dumps({"dense_tokens": [1]}), json.dumps({**vars(_model()), "from_a_newer_version": 1})],
+)
 def test_a_missing_damaged_or_foreign_profile_is_a_cache_miss(tmp_path, content):
     path = tmp_path / "key.json"
     if content is not None:
@@ -152,7 +179,7 @@ def test_profiles_are_cached_by_what_the_timings_depend_on(tiny_model_dirs, tmp_
     it; one they do depend on (block_size) is profiled and saved beside it."""
     profiled = []
 
-    def fake_profile(runner, host_cache) -> PerfModel:
+    def fake_profile(runner) -> PerfModel:
         profiled.append(runner.block_size)
         return _model(dense_tokens=[1], dense_seconds=[runner.block_size * MS])
 
@@ -160,8 +187,17 @@ def test_profiles_are_cached_by_what_the_timings_depend_on(tiny_model_dirs, tmp_
 
     def engine(**knobs) -> LLMEngine:
         knobs = {"block_size": 8, "max_num_seqs": 16, **knobs}
-        return LLMEngine(EngineConfig(model=str(tiny_model_dirs["llama3"]), num_gpu_blocks=24, cpu_kv_cache_gb=0.01,
-                                      offload_policy="always", pipeline="off", cache_dir=str(tmp_path), **knobs))
+        return LLMEngine(
+            EngineConfig(
+                model=str(tiny_model_dirs["llama3"]),
+                num_gpu_blocks=24,
+                cpu_kv_cache_gb=0.01,
+                offload_policy="always",
+                pipeline="off",
+                cache_dir=str(tmp_path),
+                **knobs,
+            )
+        )
 
     first = engine()
     assert profiled == [8] and first.perf_model == _model(dense_tokens=[1], dense_seconds=[8 * MS])

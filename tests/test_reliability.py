@@ -2,6 +2,7 @@
 real tritonserver over real gRPC: a short soak (loadtest.soak), a storm of cancelled and dropped streams,
 admission control under a burst, property-based fuzzing of the request tensors, and the security properties
 (loopback binding, no request-chosen files/models/paths, no eval/pickle of request data)."""
+
 from __future__ import annotations
 
 import ast
@@ -21,6 +22,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from server_utils import wait_for_metrics
 from tritonclient.utils import InferenceServerException
 
 from client import NeoClient, ServerError
@@ -29,13 +31,17 @@ from loadtest.metrics import engine_gauges, metric_value, scrape_metrics
 from loadtest.server import RunningServer, triton_server
 from loadtest.soak import run_soak, server_pids
 from neo_backend.triton.server import MODEL_NAME, ServerAddress, build_command, find_tritonserver
-from server_utils import wait_for_metrics
 
 REPO = Path(__file__).resolve().parent.parent
 # Small pools; every decode on the CPU pool (offload_policy=always) with a tiny host pool, so both pools see
 # traffic; max_num_seqs below the storm's size, so requests also wait in the queue.
-KNOBS = {"num_gpu_blocks": 512, "max_num_seqs": 64, "max_model_len": 512, "cpu_kv_cache_gb": 0.1,
-         "offload_policy": "always"}
+KNOBS = {
+    "num_gpu_blocks": 512,
+    "max_num_seqs": 64,
+    "max_model_len": 512,
+    "cpu_kv_cache_gb": 0.1,
+    "offload_policy": "always",
+}
 TIMEOUT_S = 60.0
 DRAIN_TIMEOUT_S = 30.0
 
@@ -60,9 +66,17 @@ def assert_serves(server: RunningServer) -> None:
 
 # 1. Soak ---------------------------------------------------------------------------------------------------------
 
+
 def test_short_soak_mixed_load_leaves_no_error_leak_or_memory_growth(server):
-    report = run_soak(server.grpc_url, server.metrics_url, 30, concurrency=6, seed=1,
-                      pids=server_pids(server.address.grpc_port), request_timeout=TIMEOUT_S)
+    report = run_soak(
+        server.grpc_url,
+        server.metrics_url,
+        30,
+        concurrency=6,
+        seed=1,
+        pids=server_pids(server.address.grpc_port),
+        request_timeout=TIMEOUT_S,
+    )
     print(report.summary())
     assert report.ok, report.summary()
     assert report.requests_sent >= 20 and all(report.sent[k] for k in ("stream", "cancel", "drop", "bad"))
@@ -72,8 +86,10 @@ def test_short_soak_mixed_load_leaves_no_error_leak_or_memory_growth(server):
 
 # 2. Cancellation storm -----------------------------------------------------------------------------------------
 
-def storm_request(url: str, action: str, delay: float, max_tokens: int, prompt: str
-                  ) -> tuple[str, str | None, int, bool]:
+
+def storm_request(
+    url: str, action: str, delay: float, max_tokens: int, prompt: str
+) -> tuple[str, str | None, int, bool]:
     """One stream: run to the end ('complete'), cancel through stop_stream at `delay` s ('cancel'), or close the
     gRPC channel at `delay` s ('drop'). Returns (action, error, responses, whether it ended on its own)."""
     client = grpcclient.InferenceServerClient(url)
@@ -112,8 +128,14 @@ def test_cancellation_storm_leaves_no_stuck_request_or_leaked_block(server):
     plan = []
     for i in range(n):
         action = "complete" if i % 2 else rng.choice(["cancel", "drop"])
-        plan.append((action, rng.uniform(0.0, 2.0), rng.randint(4, 10),
-                     " ".join(rng.choice(["the", "of", "river", "a", "city", "old"]) for _ in range(rng.randint(3, 40)))))
+        plan.append(
+            (
+                action,
+                rng.uniform(0.0, 2.0),
+                rng.randint(4, 10),
+                " ".join(rng.choice(["the", "of", "river", "a", "city", "old"]) for _ in range(rng.randint(3, 40))),
+            )
+        )
     rng.shuffle(plan)
     swapped_before = metric_value(scrape_metrics(server.metrics_url), "neo_swapped_blocks_total", direction="out")
     with ThreadPoolExecutor(n) as pool:
@@ -125,27 +147,40 @@ def test_cancellation_storm_leaves_no_stuck_request_or_leaked_block(server):
     interrupted_errors = [r[1] for r in results if r[0] != "complete" and r[1] is not None]
     assert all("cancel" in e.lower() for e in interrupted_errors), interrupted_errors[:5]
     samples = wait_drained(server)
-    assert metric_value(samples, "neo_swapped_blocks_total", direction="out") > swapped_before, \
+    assert metric_value(samples, "neo_swapped_blocks_total", direction="out") > swapped_before, (
         "the storm should exercise the CPU pool (offload_policy=always)"
-    print(f"storm: {n} streams, {len(completed)} completed, "
-          f"{sum(r[0] == 'cancel' and not r[3] for r in results)} cancelled and "
-          f"{sum(r[0] == 'drop' and not r[3] for r in results)} dropped before their end; "
-          f"after the drain: {engine_gauges(samples)}")
+    )
+    print(
+        f"storm: {n} streams, {len(completed)} completed, "
+        f"{sum(r[0] == 'cancel' and not r[3] for r in results)} cancelled and "
+        f"{sum(r[0] == 'drop' and not r[3] for r in results)} dropped before their end; "
+        f"after the drain: {engine_gauges(samples)}"
+    )
     assert_serves(server)
 
 
 # 3. Admission control ------------------------------------------------------------------------------------------
 
+
 def test_burst_beyond_max_queue_size_is_refused_at_once_and_the_server_keeps_serving():
-    knobs = {"max_queue_size": 4, "max_num_seqs": 2, "num_gpu_blocks": 128, "max_model_len": 256,
-             "cpu_kv_cache_gb": 0.05, "offload_policy": "never"}
+    knobs = {
+        "max_queue_size": 4,
+        "max_num_seqs": 2,
+        "num_gpu_blocks": 128,
+        "max_model_len": 256,
+        "cpu_kv_cache_gb": 0.05,
+        "offload_policy": "never",
+    }
     burst = 24
     with triton_server(knobs) as small:
+
         def one(i: int) -> tuple[str, float, int]:
             started = time.monotonic()
             with NeoClient(small.grpc_url, timeout=TIMEOUT_S) as client:
                 try:
-                    result = client.generate(f"Request {i}: tell me about the sea", {"max_tokens": 24, "ignore_eos": True})
+                    result = client.generate(
+                        f"Request {i}: tell me about the sea", {"max_tokens": 24, "ignore_eos": True}
+                    )
                 except ServerError as exc:
                     return str(exc), time.monotonic() - started, 0
             return "ok", time.monotonic() - started, result.num_output_tokens
@@ -162,27 +197,50 @@ def test_burst_beyond_max_queue_size_is_refused_at_once_and_the_server_keeps_ser
         samples = wait_drained(small)
         assert metric_value(samples, "neo_request_failures_total", reason="queue_full") == len(refused)
         assert_serves(small)
-        print(f"admission: burst {burst}, served {len(served)}, refused {len(refused)} "
-              f"(slowest refusal {max(o[1] for o in refused):.2f} s, slowest served {max(o[1] for o in served):.2f} s)")
+        print(
+            f"admission: burst {burst}, served {len(served)}, refused {len(refused)} "
+            f"(slowest refusal {max(o[1] for o in refused):.2f} s, slowest served {max(o[1] for o in served):.2f} s)"
+        )
 
 
 # 4. Fuzzing ----------------------------------------------------------------------------------------------------
 
-SAMPLING_KEYS = ["max_tokens", "min_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
-                 "ignore_eos", "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs"]
-NUMBERS = st.one_of(st.integers(-2 ** 70, 2 ** 70), st.sampled_from([0, -1, 1, 2 ** 31, -2 ** 31, 2 ** 63, 2 ** 64]),
-                    st.floats(allow_nan=True, allow_infinity=True))
-JSON_VALUES = st.recursive(st.one_of(st.none(), st.booleans(), NUMBERS, st.text(max_size=20)),
-                           lambda inner: st.one_of(st.lists(inner, max_size=4),
-                                                   st.dictionaries(st.text(max_size=8), inner, max_size=4)),
-                           max_leaves=10)
+SAMPLING_KEYS = [
+    "max_tokens",
+    "min_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "logprobs",
+]
+NUMBERS = st.one_of(
+    st.integers(-(2**70), 2**70),
+    st.sampled_from([0, -1, 1, 2**31, -(2**31), 2**63, 2**64]),
+    st.floats(allow_nan=True, allow_infinity=True),
+)
+JSON_VALUES = st.recursive(
+    st.one_of(st.none(), st.booleans(), NUMBERS, st.text(max_size=20)),
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)),
+    max_leaves=10,
+)
 SAMPLING_JSON = st.one_of(
     st.dictionaries(st.sampled_from(SAMPLING_KEYS), JSON_VALUES, max_size=4),
     st.dictionaries(st.sampled_from(SAMPLING_KEYS) | st.text(max_size=12), JSON_VALUES, max_size=3),
-    JSON_VALUES).map(lambda v: json.dumps(v, allow_nan=True).encode())
+    JSON_VALUES,
+).map(lambda v: json.dumps(v, allow_nan=True).encode())
 SAMPLING_BYTES = st.one_of(SAMPLING_JSON, st.binary(max_size=64), st.text(max_size=40).map(str.encode))
-PROMPTS = st.one_of(st.text(max_size=60).map(str.encode), st.binary(max_size=60),
-                    st.sampled_from([b"", b"\x00", "\u202e\U0001f600 \ud7ff".encode(), b"x" * 5000]))
+PROMPTS = st.one_of(
+    st.text(max_size=60).map(str.encode),
+    st.binary(max_size=60),
+    st.sampled_from([b"", b"\x00", "\u202e\U0001f600 \ud7ff".encode(), b"x" * 5000]),
+)
 SHAPES = st.sampled_from([[1], [1], [1], [0], [2], [1, 1]])
 
 
@@ -201,11 +259,13 @@ def numeric_tensor(name: str, value: Any, dtype: Any, datatype: str, shape: list
     return tensor
 
 
-NUMERIC_TYPES = [(np.int32, "INT32", st.integers(-2 ** 31, 2 ** 31 - 1)),
-                 (np.int64, "INT64", st.integers(-2 ** 63, 2 ** 63 - 1)),
-                 (np.uint64, "UINT64", st.integers(0, 2 ** 64 - 1)),
-                 (np.float32, "FP32", st.floats(width=32, allow_nan=True, allow_infinity=True)),
-                 (np.bool_, "BOOL", st.booleans())]
+NUMERIC_TYPES = [
+    (np.int32, "INT32", st.integers(-(2**31), 2**31 - 1)),
+    (np.int64, "INT64", st.integers(-(2**63), 2**63 - 1)),
+    (np.uint64, "UINT64", st.integers(0, 2**64 - 1)),
+    (np.float32, "FP32", st.floats(width=32, allow_nan=True, allow_infinity=True)),
+    (np.bool_, "BOOL", st.booleans()),
+]
 
 
 @st.composite
@@ -215,13 +275,24 @@ def numeric_input(draw, name: str) -> grpcclient.InferInput:
 
 
 EDGE_FLOATS = st.one_of(st.floats(-2, 5), st.sampled_from([0.0, -0.0, 1e-45, 1e308, float("nan"), float("inf")]))
-NEAR_VALID_SAMPLING = st.fixed_dictionaries({}, optional={
-    "max_tokens": st.integers(-3, 24) | st.sampled_from([2 ** 31, 2 ** 63, -2 ** 63]),
-    "min_tokens": st.integers(-3, 30), "temperature": EDGE_FLOATS, "top_p": EDGE_FLOATS,
-    "top_k": st.integers(-3, 100000), "seed": st.integers(-2 ** 64, 2 ** 64), "ignore_eos": st.booleans(),
-    "stop": st.lists(st.text(max_size=12), max_size=5) | st.text(max_size=12),
-    "stop_token_ids": st.lists(st.integers(-5, 2 ** 40), max_size=4), "repetition_penalty": EDGE_FLOATS,
-    "presence_penalty": EDGE_FLOATS, "frequency_penalty": EDGE_FLOATS, "logprobs": st.integers(-2, 30)})
+NEAR_VALID_SAMPLING = st.fixed_dictionaries(
+    {},
+    optional={
+        "max_tokens": st.integers(-3, 24) | st.sampled_from([2**31, 2**63, -(2**63)]),
+        "min_tokens": st.integers(-3, 30),
+        "temperature": EDGE_FLOATS,
+        "top_p": EDGE_FLOATS,
+        "top_k": st.integers(-3, 100000),
+        "seed": st.integers(-(2**64), 2**64),
+        "ignore_eos": st.booleans(),
+        "stop": st.lists(st.text(max_size=12), max_size=5) | st.text(max_size=12),
+        "stop_token_ids": st.lists(st.integers(-5, 2**40), max_size=4),
+        "repetition_penalty": EDGE_FLOATS,
+        "presence_penalty": EDGE_FLOATS,
+        "frequency_penalty": EDGE_FLOATS,
+        "logprobs": st.integers(-2, 30),
+    },
+)
 
 
 @st.composite
@@ -245,13 +316,30 @@ def fuzz_request(draw) -> tuple[str, list[grpcclient.InferInput]]:
         inputs.append(draw(numeric_input("text_input")))
     if draw(st.booleans()):
         inputs.append(bytes_tensor("sampling_parameters", [draw(SAMPLING_BYTES)], draw(SHAPES)))
-    for name in draw(st.lists(st.sampled_from(["stream", "exclude_input_in_output", "return_finish_reason",
-                                               "return_logprobs", "max_tokens", "temperature", "top_k", "seed",
-                                               "min_tokens"]), max_size=3, unique=True)):
+    for name in draw(
+        st.lists(
+            st.sampled_from(
+                [
+                    "stream",
+                    "exclude_input_in_output",
+                    "return_finish_reason",
+                    "return_logprobs",
+                    "max_tokens",
+                    "temperature",
+                    "top_k",
+                    "seed",
+                    "min_tokens",
+                ]
+            ),
+            max_size=3,
+            unique=True,
+        )
+    ):
         inputs.append(draw(numeric_input(name)))
     if draw(st.integers(0, 5)) == 0:
-        inputs.append(bytes_tensor("stop_words", [draw(st.text(max_size=300).map(str.encode))],
-                                   [draw(st.integers(0, 40))]))
+        inputs.append(
+            bytes_tensor("stop_words", [draw(st.text(max_size=300).map(str.encode))], [draw(st.integers(0, 40))])
+        )
     return "malformed", inputs
 
 
@@ -284,14 +372,19 @@ def test_fuzzed_requests_get_a_response_or_a_clear_error(server):
     both ends: near-valid requests got as far as generation, and malformed ones were refused."""
     outcomes: Counter = Counter()
 
-    @settings(max_examples=60, deadline=None, derandomize=True, database=None,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @settings(
+        max_examples=60,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
     @given(case=fuzz_request())
     def one_request(case: tuple[str, list[grpcclient.InferInput]]) -> None:
         kind, inputs = case
         outcome = fuzz_call(server.grpc_url, inputs)
         if outcome.startswith("error"):
-            message = outcome[len("error: "):]
+            message = outcome[len("error: ") :]
             assert message.strip(), "an error must say something"
             assert "internal error" not in message.lower(), message
         tensors = [(i.name(), i.shape(), i.datatype()) for i in inputs]
@@ -311,6 +404,7 @@ def test_server_is_ready_and_drained_after_the_fuzzing(server):
 
 # 5. Security ---------------------------------------------------------------------------------------------------
 
+
 def listening_addresses(pids: list[int]) -> set[tuple[str, int]]:
     """(address, port) of every TCP socket in LISTEN state owned by `pids`, from /proc."""
     inodes = set()
@@ -322,7 +416,7 @@ def listening_addresses(pids: list[int]) -> set[tuple[str, int]]:
             except OSError:
                 continue
             if target.startswith("socket:["):
-                inodes.add(target[len("socket:["):-1])
+                inodes.add(target[len("socket:[") : -1])
     found = set()
     for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
         for line in Path(table).read_text().splitlines()[1:]:
@@ -335,7 +429,7 @@ def listening_addresses(pids: list[int]) -> set[tuple[str, int]]:
             if width == 8:
                 address = ipaddress.IPv4Address(raw[::-1])
             else:  # four host-order (little-endian) 32-bit words
-                address = ipaddress.IPv6Address(b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4)))
+                address = ipaddress.IPv6Address(b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4)))
                 address = address.ipv4_mapped or address  # ::ffff:127.0.0.1 is IPv4 loopback
             found.add((str(address), int(port_hex, 16)))
     return found
@@ -354,9 +448,18 @@ def test_servers_bind_to_loopback_by_default(server):
     assert all(ipaddress.ip_address(address).is_loopback for address, _ in listening), listening
 
 
-@pytest.mark.parametrize("key, value", [("model", "/etc/passwd"), ("tokenizer", "/root/.ssh/id_rsa"),
-                                        ("load_format", "pt"), ("download_dir", "/tmp/evil"),
-                                        ("trust_remote_code", True), ("cache_dir", "/"), ("chat_template", "{{x}}")])
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("model", "/etc/passwd"),
+        ("tokenizer", "/root/.ssh/id_rsa"),
+        ("load_format", "pt"),
+        ("download_dir", "/tmp/evil"),
+        ("trust_remote_code", True),
+        ("cache_dir", "/"),
+        ("chat_template", "{{x}}"),
+    ],
+)
 def test_requests_cannot_choose_files_models_or_paths(server, key, value):
     for via in ("sampling_parameters", "request parameters"):
         client = grpcclient.InferenceServerClient(server.grpc_url)
@@ -367,8 +470,12 @@ def test_requests_cannot_choose_files_models_or_paths(server, key, value):
                 inputs = raw_inputs(b"hello", json.dumps({"max_tokens": 2, key: value}).encode())
                 client.async_stream_infer(MODEL_NAME, inputs, enable_empty_final_response=True)
             else:
-                client.async_stream_infer(MODEL_NAME, raw_inputs(b"hello", None), enable_empty_final_response=True,
-                                          parameters={"max_tokens": 2, key: value})
+                client.async_stream_infer(
+                    MODEL_NAME,
+                    raw_inputs(b"hello", None),
+                    enable_empty_final_response=True,
+                    parameters={"max_tokens": 2, key: value},
+                )
             _, error = responses.get(timeout=TIMEOUT_S)
         finally:
             client.stop_stream(cancel_requests=True)
@@ -380,8 +487,11 @@ def test_model_repository_cannot_be_changed_over_the_api(server):
     client = grpcclient.InferenceServerClient(server.grpc_url)
     try:
         config = json.dumps({"backend": "python", "parameters": {"model": {"string_value": "/etc/passwd"}}})
-        for call in (lambda: client.load_model(MODEL_NAME, config=config), lambda: client.unload_model(MODEL_NAME),
-                     lambda: client.load_model("other")):
+        for call in (
+            lambda: client.load_model(MODEL_NAME, config=config),
+            lambda: client.unload_model(MODEL_NAME),
+            lambda: client.load_model("other"),
+        ):
             with pytest.raises(InferenceServerException):
                 call()
         with pytest.raises(InferenceServerException, match="unknown model|not found"):
@@ -391,8 +501,22 @@ def test_model_repository_cannot_be_changed_over_the_api(server):
     assert server.is_ready(timeout=5)
 
 
-UNSAFE_CALLS = {"eval", "exec", "compile", "pickle.load", "pickle.loads", "cPickle.loads", "marshal.loads",
-                "dill.loads", "shelve.open", "yaml.load", "yaml.unsafe_load", "__import__", "os.system", "os.popen"}
+UNSAFE_CALLS = {
+    "eval",
+    "exec",
+    "compile",
+    "pickle.load",
+    "pickle.loads",
+    "cPickle.loads",
+    "marshal.loads",
+    "dill.loads",
+    "shelve.open",
+    "yaml.load",
+    "yaml.unsafe_load",
+    "__import__",
+    "os.system",
+    "os.popen",
+}
 
 
 def test_no_eval_exec_or_pickle_in_the_request_path():
@@ -403,15 +527,22 @@ def test_no_eval_exec_or_pickle_in_the_request_path():
             for node in ast.walk(tree):
                 if isinstance(node, ast.Call):
                     func = node.func
-                    name = (func.id if isinstance(func, ast.Name) else
-                            f"{func.value.id}.{func.attr}" if isinstance(func, ast.Attribute)
-                            and isinstance(func.value, ast.Name) else "")
+                    name = (
+                        func.id
+                        if isinstance(func, ast.Name)
+                        else f"{func.value.id}.{func.attr}"
+                        if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name)
+                        else ""
+                    )
                     if name in UNSAFE_CALLS:
                         found.append(f"{path.relative_to(REPO)}:{node.lineno} {name}")
                 elif isinstance(node, (ast.Import, ast.ImportFrom)):
                     modules = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
-                    found += [f"{path.relative_to(REPO)}:{node.lineno} import {m}" for m in modules
-                              if m.split(".")[0] in ("pickle", "cPickle", "marshal", "dill", "shelve")]
+                    found += [
+                        f"{path.relative_to(REPO)}:{node.lineno} import {m}"
+                        for m in modules
+                        if m.split(".")[0] in ("pickle", "cPickle", "marshal", "dill", "shelve")
+                    ]
     assert not found, found
 
 

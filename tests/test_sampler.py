@@ -2,23 +2,31 @@
 repetition penalty, min_tokens) and the OpenAI definition of presence and frequency penalties, on the processed
 logits, on the distribution that seeded draws follow, and end to end (stop_token_ids too) against
 `transformers.generate` on the same weights."""
+
 from __future__ import annotations
 
 from collections import Counter
 
 import pytest
 import torch
-from transformers import (LogitsProcessor, LogitsProcessorList, MinNewTokensLengthLogitsProcessor,
-                          RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+from transformers import (
+    LogitsProcessor,
+    LogitsProcessorList,
+    MinNewTokensLengthLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from neo_backend import EngineConfig, LLMEngine, SamplingParams
-from neo_backend.layers.sampler import Sampler
 from neo_backend.core.sequence import Sequence
+from neo_backend.layers.sampler import Sampler
 
 VOCAB = 16
 EOS = (2,)
-PROMPT = [1, 5, 5, 9, 3]          # 5 and 9 in the prompt only: repetition penalty, no presence/frequency penalty
-OUTPUT = [7, 3, 7, 7, 12]         # 7 three times, 3 and 12 once
+PROMPT = [1, 5, 5, 9, 3]  # 5 and 9 in the prompt only: repetition penalty, no presence/frequency penalty
+OUTPUT = [7, 3, 7, 7, 12]  # 7 three times, 3 and 12 once
 DRAWS = 10_000
 TOLERANCE = 5 * (0.25 / DRAWS) ** 0.5  # five standard deviations of a frequency estimated from DRAWS draws
 
@@ -42,7 +50,7 @@ class OpenAIPenalties(LogitsProcessor):
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         scores = scores.clone()
-        for row, ids in enumerate(input_ids[:, self.prompt_len:].tolist()):
+        for row, ids in enumerate(input_ids[:, self.prompt_len :].tolist()):
             for token, count in Counter(ids).items():
                 scores[row, token] -= count * self.frequency + self.presence
         return scores
@@ -137,8 +145,14 @@ DISTRIBUTION_CASES = {
     "temperature": {"temperature": 0.6},
     "hot top-k": {"temperature": 1.5, "top_k": 5},
     "top-p": {"temperature": 0.9, "top_p": 0.75},
-    "penalties before truncation": {"temperature": 0.8, "top_k": 8, "top_p": 0.9, "repetition_penalty": 1.3,
-                                    "presence_penalty": 0.5, "frequency_penalty": 0.3},
+    "penalties before truncation": {
+        "temperature": 0.8,
+        "top_k": 8,
+        "top_p": 0.9,
+        "repetition_penalty": 1.3,
+        "presence_penalty": 0.5,
+        "frequency_penalty": 0.3,
+    },
     "min_tokens": {"min_tokens": 8, "max_tokens": 16, "stop_token_ids": [7], "top_k": 6},
 }
 
@@ -160,12 +174,16 @@ def test_draws_follow_the_reference_distribution(case, seeded):
 def test_greedy_rows_take_the_penalised_argmax_and_report_raw_logprobs():
     """Greedy rows beside a sampled one: each takes the argmax after its penalties and min_tokens, and the logprobs
     it reports are those of the model's raw distribution."""
-    cases = [{"temperature": 0, "logprobs": 3}, {"temperature": 0, "presence_penalty": 2.0, "logprobs": 2},
-             {"temperature": 1.0, "top_k": 4}, {"temperature": 0, "min_tokens": 9, "max_tokens": 9}]
+    cases = [
+        {"temperature": 0, "logprobs": 3},
+        {"temperature": 0, "presence_penalty": 2.0, "logprobs": 2},
+        {"temperature": 1.0, "top_k": 4},
+        {"temperature": 0, "min_tokens": 9, "max_tokens": 9},
+    ]
     seqs = [_seq(params) for params in cases]
     logits = _logits(len(cases), seed=3)
     lead = OUTPUT[-1]
-    logits[:, lead] = logits.max() + 1.0   # the raw argmax of every row, and a token the output holds
+    logits[:, lead] = logits.max() + 1.0  # the raw argmax of every row, and a token the output holds
     logits[3, EOS[0]] = logits.max() + 1.0  # ... but in the last row EOS leads, which min_tokens bans
     result = Sampler(EOS, seed=0)(logits, seqs)
     assert [result.token_ids[i] for i in (0, 1, 3)] == [lead, int(_penalised(logits[1], seqs[1]).argmax()), lead]
@@ -188,8 +206,9 @@ STEPS = 24
 
 @pytest.fixture(scope="module")
 def tiny_engine(tiny_model_dirs) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(tiny_model_dirs["llama3"]), num_gpu_blocks=64, block_size=8,
-                                  offload_policy="never"))
+    return LLMEngine(
+        EngineConfig(model=str(tiny_model_dirs["llama3"]), num_gpu_blocks=64, block_size=8, offload_policy="never")
+    )
 
 
 @pytest.fixture(scope="module")
@@ -210,9 +229,10 @@ def _ours(engine: LLMEngine, params: dict) -> tuple[list[int], str]:
 def _theirs(hf, **kwargs) -> list[int]:
     ids = torch.tensor([E2E_PROMPT])
     with torch.no_grad():
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=STEPS,
-                          pad_token_id=0, **kwargs)
-    return out[0, len(E2E_PROMPT):].tolist()
+        out = hf.generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=STEPS, pad_token_id=0, **kwargs
+        )
+    return out[0, len(E2E_PROMPT) :].tolist()
 
 
 def test_penalised_greedy_generation_matches_transformers(tiny_engine, tiny_hf):
@@ -224,8 +244,11 @@ def test_penalised_greedy_generation_matches_transformers(tiny_engine, tiny_hf):
     assert repetition == _theirs(tiny_hf, min_new_tokens=STEPS, repetition_penalty=1.8) != plain
     openai_penalties = OpenAIPenalties(1.0, 0.5, len(E2E_PROMPT))
     penalised, _ = _ours(tiny_engine, {**whole, "presence_penalty": 1.0, "frequency_penalty": 0.5})
-    assert penalised == _theirs(tiny_hf, min_new_tokens=STEPS,
-                                logits_processor=LogitsProcessorList([openai_penalties])) != plain
+    assert (
+        penalised
+        == _theirs(tiny_hf, min_new_tokens=STEPS, logits_processor=LogitsProcessorList([openai_penalties]))
+        != plain
+    )
 
 
 def test_stop_token_ids_end_the_request_once_min_tokens_allow(tiny_engine, tiny_hf):

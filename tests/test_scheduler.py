@@ -1,4 +1,5 @@
 """Scheduler decisions under a synthetic performance model: placement, swaps, sub-batches, modes, fail-safe."""
+
 from __future__ import annotations
 
 import pytest
@@ -16,16 +17,27 @@ BLOCK = 4
 def perf(dense_fixed=10e-3, dense_per_token=1e-5, cpu_per_token=1e-6, cpu_per_request=1e-5) -> PerfModel:
     """Dense time on a line, fixed + per_token * tokens (two profiled points)."""
     points = [1, 4096]
-    return PerfModel(dense_tokens=points, dense_seconds=[dense_fixed + dense_per_token * t for t in points],
-                     gpu_attn_per_token=1e-7, cpu_attn_fixed=0.0, cpu_attn_per_request=cpu_per_request,
-                     cpu_attn_per_token=cpu_per_token)
+    return PerfModel(
+        dense_tokens=points,
+        dense_seconds=[dense_fixed + dense_per_token * t for t in points],
+        gpu_attn_per_token=1e-7,
+        cpu_attn_fixed=0.0,
+        cpu_attn_per_request=cpu_per_request,
+        cpu_attn_per_token=cpu_per_token,
+    )
 
 
 def test_dense_time_interpolates_between_profiled_points():
     """Flat while the weights' read dominates, then rising with the FLOPs; beyond the last point the last
     segment goes on."""
-    model = PerfModel(dense_tokens=[1, 64, 128], dense_seconds=[25e-3, 26e-3, 37e-3], gpu_attn_per_token=0.0,
-                      cpu_attn_fixed=0.0, cpu_attn_per_request=0.0, cpu_attn_per_token=0.0)
+    model = PerfModel(
+        dense_tokens=[1, 64, 128],
+        dense_seconds=[25e-3, 26e-3, 37e-3],
+        gpu_attn_per_token=0.0,
+        cpu_attn_fixed=0.0,
+        cpu_attn_per_request=0.0,
+        cpu_attn_per_token=0.0,
+    )
     assert model.dense(0) == 0.0 and model.dense(1) == 25e-3
     assert model.dense(32) == pytest.approx(25e-3 + 1e-3 * 31 / 63)
     assert model.dense(96) == pytest.approx(31.5e-3)
@@ -45,11 +57,13 @@ def test_the_offload_correction_scales_predictions_and_is_taken_out_of_observati
     assert model.corrected(1.0, with_cpu_work=False) == 1.0
 
 
-def make_scheduler(policy: str, gpu_blocks: int, cpu_blocks: int = 256, model: PerfModel | None = None,
-                   **knobs) -> Scheduler:
+def make_scheduler(
+    policy: str, gpu_blocks: int, cpu_blocks: int = 256, model: PerfModel | None = None, **knobs
+) -> Scheduler:
     config = EngineConfig(offload_policy=policy, block_size=BLOCK, max_num_batched_tokens=64, **knobs)
-    return Scheduler(config, policy, BlockManager(gpu_blocks, BLOCK, "gpu"), BlockManager(cpu_blocks, BLOCK, "cpu"),
-                     model or perf())
+    return Scheduler(
+        config, policy, BlockManager(gpu_blocks, BLOCK, "gpu"), BlockManager(cpu_blocks, BLOCK, "cpu"), model or perf()
+    )
 
 
 def request(i: int, prompt_len: int = 6) -> Sequence:
@@ -231,14 +245,14 @@ def test_the_plan_carries_the_swaps_and_the_step_gets_the_device_blocks_they_fre
     by_id = {seq.request_id: seq for seq in sched.cpu_running}
     for swap in out.swap_out:
         assert len(swap.device_blocks) == len(swap.host_blocks)
-        assert by_id[swap.request_id].block_table[:len(swap.host_blocks)] == swap.host_blocks
+        assert by_id[swap.request_id].block_table[: len(swap.host_blocks)] == swap.host_blocks
     assert not any(map(sched.is_swapping_out, sched.cpu_running)), "swapped out for room: landed at once"
     for seq in list(sched.running):
         sched.remove(seq)
     out = run_step(sched)
     assert out.swap_in and not out.swap_out
     for swap in out.swap_in:
-        seq = next(s for s in sched.running if s.block_table[:len(swap.device_blocks)] == swap.device_blocks)
+        seq = next(s for s in sched.running if s.block_table[: len(swap.device_blocks)] == swap.device_blocks)
         assert seq.placement == Placement.GPU and len(swap.host_blocks) == len(swap.device_blocks)
     assert sched.swap_in_blocks == sum(len(swap.device_blocks) for swap in out.swap_in)
 

@@ -1,6 +1,7 @@
 """The `neo` model served by a real tritonserver (the one bundled in nvidia-pytriton), driven through real gRPC
 and HTTP clients: streaming, concurrency, the HTTP generate extension, cancellation, metrics, bad requests,
 start-up failures and SIGTERM."""
+
 from __future__ import annotations
 
 import json
@@ -15,14 +16,20 @@ from typing import Any
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+from server_utils import kv_blocks_used, requests_in_engine, wait_for_metrics
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 from loadtest.metrics import metric_value, scrape_metrics
 from loadtest.server import RunningServer, ServerStartError, triton_server
 from neo_backend import ConfigError, EngineConfig, LLMEngine
-from neo_backend.triton.server import (DEFAULT_MODEL_REPOSITORY, MODEL_NAME, ServerAddress, free_ports, knob_overrides,
-                                read_parameters)
-from server_utils import kv_blocks_used, requests_in_engine, wait_for_metrics
+from neo_backend.triton.server import (
+    DEFAULT_MODEL_REPOSITORY,
+    MODEL_NAME,
+    ServerAddress,
+    free_ports,
+    knob_overrides,
+    read_parameters,
+)
 
 # Small pools and a short max_model_len keep start-up quick and make "prompt too long" cheap to hit.
 KNOBS = {"num_gpu_blocks": 256, "max_model_len": 256, "cpu_kv_cache_gb": 0.05, "max_num_seqs": 32}
@@ -35,6 +42,7 @@ TIMEOUT_S = 120.0
 
 # Clients ---------------------------------------------------------------------------------------------------------
 
+
 def tensor(name: str, values: list, dtype: Any) -> grpcclient.InferInput:
     array = np.array(values, dtype=dtype)
     infer_input = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
@@ -42,8 +50,9 @@ def tensor(name: str, values: list, dtype: Any) -> grpcclient.InferInput:
     return infer_input
 
 
-def request_inputs(prompt: str | bytes, sampling: dict | None = None, stream: bool = True,
-                   **flags: bool) -> list[grpcclient.InferInput]:
+def request_inputs(
+    prompt: str | bytes, sampling: dict | None = None, stream: bool = True, **flags: bool
+) -> list[grpcclient.InferInput]:
     text = prompt.encode() if isinstance(prompt, str) else prompt
     inputs = [tensor("text_input", [text], np.object_), tensor("stream", [stream], np.bool_)]
     if sampling is not None:
@@ -59,8 +68,12 @@ class StreamResult:
 
     @property
     def text(self) -> str:
-        return "".join(b.decode() for r in self.responses if r.as_numpy("text_output") is not None
-                       for b in r.as_numpy("text_output"))
+        return "".join(
+            b.decode()
+            for r in self.responses
+            if r.as_numpy("text_output") is not None
+            for b in r.as_numpy("text_output")
+        )
 
     def output(self, name: str) -> list:
         return [r.as_numpy(name).tolist() for r in self.responses if r.as_numpy(name) is not None]
@@ -72,8 +85,9 @@ class Stream:
     def __init__(self, server: RunningServer, timeout: float = TIMEOUT_S) -> None:
         self.client = grpcclient.InferenceServerClient(server.grpc_url)
         self._queue: queue.Queue = queue.Queue()
-        self.client.start_stream(callback=lambda result, error: self._queue.put((result, error)),
-                                 stream_timeout=timeout)
+        self.client.start_stream(
+            callback=lambda result, error: self._queue.put((result, error)), stream_timeout=timeout
+        )
         self.result = StreamResult()
         self.done = False
 
@@ -102,8 +116,7 @@ class Stream:
         self.client.close()
 
 
-def run_stream(server: RunningServer, inputs: list[grpcclient.InferInput], timeout: float = TIMEOUT_S
-               ) -> StreamResult:
+def run_stream(server: RunningServer, inputs: list[grpcclient.InferInput], timeout: float = TIMEOUT_S) -> StreamResult:
     stream = Stream(server, timeout)
     try:
         return stream.send(inputs).collect(timeout)
@@ -112,13 +125,17 @@ def run_stream(server: RunningServer, inputs: list[grpcclient.InferInput], timeo
 
 
 def http_post(server: RunningServer, path: str, body: dict) -> str:
-    request = urllib.request.Request(f"http://{server.http_url}/v2/models/{MODEL_NAME}/{path}",
-                                     data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"http://{server.http_url}/v2/models/{MODEL_NAME}/{path}",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
         return response.read().decode()
 
 
 # Fixtures --------------------------------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def server_and_reference() -> tuple[RunningServer, dict[str, str]]:
@@ -144,6 +161,7 @@ def reference(server_and_reference) -> dict[str, str]:
 
 # Configuration ---------------------------------------------------------------------------------------------------
 
+
 def test_config_pbtxt_declares_every_knob_with_its_default():
     parameters = read_parameters(DEFAULT_MODEL_REPOSITORY / MODEL_NAME / "config.pbtxt")
     assert sorted(parameters) == sorted(EngineConfig.field_names())
@@ -151,20 +169,30 @@ def test_config_pbtxt_declares_every_knob_with_its_default():
 
 
 def test_environment_overrides_knobs_and_ports_validated_before_start():
-    assert knob_overrides(environ={"NEO_NUM_GPU_BLOCKS": "256", "NEO_OFFLOAD_POLICY": "never", "NEO_HOST": "0.0.0.0",
-                                   "NEO_GRPC_PORT": "9001"}) == {"num_gpu_blocks": "256", "offload_policy": "never"}
+    assert knob_overrides(
+        environ={
+            "NEO_NUM_GPU_BLOCKS": "256",
+            "NEO_OFFLOAD_POLICY": "never",
+            "NEO_HOST": "0.0.0.0",
+            "NEO_GRPC_PORT": "9001",
+        }
+    ) == {"num_gpu_blocks": "256", "offload_policy": "never"}
     assert ServerAddress.from_env({"NEO_HOST": "0.0.0.0", "NEO_GRPC_PORT": "9001"}) == ServerAddress(
-        "0.0.0.0", 8000, 9001, 8002)
+        "0.0.0.0", 8000, 9001, 8002
+    )
     with pytest.raises(ConfigError, match="environment variable block_size='x' is not a valid int"):
         knob_overrides(environ={"NEO_BLOCK_SIZE": "x"})
     with pytest.raises(ConfigError, match="NEO_HTTP_PORT='http' is not a port number"):
         ServerAddress.from_env({"NEO_HTTP_PORT": "http"})
 
 
-@pytest.mark.parametrize("key, value, message", [
-    ("bogus_knob", "1", "unknown config.pbtxt parameter 'bogus_knob'"),
-    ("block_size", "sixteen", "config.pbtxt parameter block_size='sixteen' is not a valid int"),
-])
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("bogus_knob", "1", "unknown config.pbtxt parameter 'bogus_knob'"),
+        ("block_size", "sixteen", "config.pbtxt parameter block_size='sixteen' is not a valid int"),
+    ],
+)
 def test_bad_parameter_fails_the_model_load_naming_it(tmp_path, key, value, message):
     repository = tmp_path / "repository"
     shutil.copytree(DEFAULT_MODEL_REPOSITORY, repository)
@@ -178,9 +206,14 @@ def test_bad_parameter_fails_the_model_load_naming_it(tmp_path, key, value, mess
 
 # Generation ------------------------------------------------------------------------------------------------------
 
+
 def test_grpc_stream_deltas_concatenate_to_the_engine_greedy_text(server, reference):
-    result = run_stream(server, request_inputs(PROMPTS[0], GREEDY, return_finish_reason=True,
-                                               return_num_output_tokens=True, return_num_input_tokens=True))
+    result = run_stream(
+        server,
+        request_inputs(
+            PROMPTS[0], GREEDY, return_finish_reason=True, return_num_output_tokens=True, return_num_input_tokens=True
+        ),
+    )
     assert result.error is None
     assert len(result.responses) >= 2, "streaming must deliver more than one response"
     assert result.text == reference[PROMPTS[0]]
@@ -205,8 +238,10 @@ def test_non_streaming_request_gets_one_response_with_the_prompt_prepended(serve
 
 def test_trtllm_style_scalar_inputs(server, reference):
     inputs = request_inputs(PROMPTS[0], None) + [
-        tensor("max_tokens", [MAX_TOKENS], np.int32), tensor("temperature", [0.0], np.float32),
-        tensor("seed", [7], np.uint64)]
+        tensor("max_tokens", [MAX_TOKENS], np.int32),
+        tensor("temperature", [0.0], np.float32),
+        tensor("seed", [7], np.uint64),
+    ]
     inputs.append(tensor("sampling_parameters", [json.dumps({"ignore_eos": "true"}).encode()], np.object_))
     assert run_stream(server, inputs).text == reference[PROMPTS[0]]
 
@@ -215,14 +250,24 @@ def test_http_generate_and_generate_stream_return_the_same_text(server, referenc
     prompt = PROMPTS[1]
     whole = json.loads(http_post(server, "generate", {"text_input": prompt, "parameters": GREEDY}))
     assert whole["text_output"] == prompt + reference[prompt]
-    events = http_post(server, "generate_stream", {"text_input": prompt, "stream": True, "max_tokens": MAX_TOKENS,
-                                                   "temperature": 0, "parameters": {"ignore_eos": True}})
-    chunks = [json.loads(line[len("data:"):]) for line in events.splitlines() if line.startswith("data:")]
+    events = http_post(
+        server,
+        "generate_stream",
+        {
+            "text_input": prompt,
+            "stream": True,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "parameters": {"ignore_eos": True},
+        },
+    )
+    chunks = [json.loads(line[len("data:") :]) for line in events.splitlines() if line.startswith("data:")]
     assert len(chunks) >= 2
     assert "".join(c["text_output"] for c in chunks) == reference[prompt]
 
 
 # Cancellation and metrics ----------------------------------------------------------------------------------------
+
 
 def test_cancelled_stream_is_aborted_frees_its_blocks_and_the_next_request_works(server, reference):
     idle = wait_for_metrics(server, lambda s: requests_in_engine(s) == 0, "an idle engine")
@@ -235,8 +280,11 @@ def test_cancelled_stream_is_aborted_frees_its_blocks_and_the_next_request_works
     assert kv_blocks_used(busy) > idle_blocks
     aborts_before = server.log().count("cancelled by its client")
     stream.close(cancel=True)
-    wait_for_metrics(server, lambda s: requests_in_engine(s) == 0 and kv_blocks_used(s) == idle_blocks,
-                     "blocks freed after the cancel")
+    wait_for_metrics(
+        server,
+        lambda s: requests_in_engine(s) == 0 and kv_blocks_used(s) == idle_blocks,
+        "blocks freed after the cancel",
+    )
     # Freed by the model's abort, not by the request running to its end.
     assert server.log().count("cancelled by its client") == aborts_before + 1, server.log_tail()
     assert run_stream(server, request_inputs(PROMPTS[0], GREEDY)).text == reference[PROMPTS[0]]
@@ -246,16 +294,26 @@ def test_metrics_move_as_requests_run_and_drain_to_zero(server):
     before = scrape_metrics(server.metrics_url)
     result = run_stream(server, request_inputs(PROMPTS[1], GREEDY))
     assert result.error is None
-    after = wait_for_metrics(server, lambda s: requests_in_engine(s) == 0 and metric_value(
-        s, "neo_generation_tokens_total") >= metric_value(before, "neo_generation_tokens_total") + MAX_TOKENS,
-        "token counters updated, no request left")
+    after = wait_for_metrics(
+        server,
+        lambda s: (
+            requests_in_engine(s) == 0
+            and metric_value(s, "neo_generation_tokens_total")
+            >= metric_value(before, "neo_generation_tokens_total") + MAX_TOKENS
+        ),
+        "token counters updated, no request left",
+    )
 
     def grew(name: str) -> float:
         return metric_value(after, name) - metric_value(before, name)
 
     assert grew("neo_prompt_tokens_total") > 0
-    for histogram in ("neo_time_to_first_token_seconds", "neo_time_per_output_token_seconds",
-                      "neo_e2e_request_latency_seconds", "neo_request_queue_time_seconds"):
+    for histogram in (
+        "neo_time_to_first_token_seconds",
+        "neo_time_per_output_token_seconds",
+        "neo_e2e_request_latency_seconds",
+        "neo_request_queue_time_seconds",
+    ):
         assert grew(histogram + "_count") >= 1, histogram
         assert grew(histogram + "_sum") > 0 or histogram == "neo_request_queue_time_seconds", histogram
     assert metric_value(after, "neo_kv_blocks_total", pool="gpu") == KNOBS["num_gpu_blocks"]
@@ -263,7 +321,10 @@ def test_metrics_move_as_requests_run_and_drain_to_zero(server):
     for name in ("neo_swapped_blocks_total", "neo_preemptions_total", "neo_kv_blocks_used"):
         assert name in names
     assert {labels["state"] for name, labels, _ in after if name == "neo_requests"} == {
-        "waiting", "gpu_decode", "cpu_decode"}
+        "waiting",
+        "gpu_decode",
+        "cpu_decode",
+    }
 
 
 # Bad requests ----------------------------------------------------------------------------------------------------
@@ -271,18 +332,28 @@ def test_metrics_move_as_requests_run_and_drain_to_zero(server):
 BAD_REQUESTS = {
     "missing text_input": ([tensor("stream", [True], np.bool_)], "text_input"),
     "wrong dtype": ([tensor("text_input", [1], np.int32)], "text_input"),
-    "invalid JSON": ([tensor("text_input", [b"hi"], np.object_),
-                      tensor("sampling_parameters", [b"{not json"], np.object_)],
-                     "sampling_parameters is not valid JSON"),
-    "JSON nested 5000 deep": ([tensor("text_input", [b"hi"], np.object_),
-                               tensor("sampling_parameters", [b"[" * 5000 + b"]" * 5000], np.object_)],
-                              "sampling_parameters nests too deeply to be read"),
-    "unknown sampling key": (request_inputs("hi", {"max_tokens": 4, "bogus": 1}), "unknown sampling parameter(s): bogus"),
+    "invalid JSON": (
+        [tensor("text_input", [b"hi"], np.object_), tensor("sampling_parameters", [b"{not json"], np.object_)],
+        "sampling_parameters is not valid JSON",
+    ),
+    "JSON nested 5000 deep": (
+        [
+            tensor("text_input", [b"hi"], np.object_),
+            tensor("sampling_parameters", [b"[" * 5000 + b"]" * 5000], np.object_),
+        ],
+        "sampling_parameters nests too deeply to be read",
+    ),
+    "unknown sampling key": (
+        request_inputs("hi", {"max_tokens": 4, "bogus": 1}),
+        "unknown sampling parameter(s): bogus",
+    ),
     "max_tokens 0": (request_inputs("hi", {"max_tokens": 0}), "max_tokens must be >= 1"),
-    "max_tokens 1e9": (request_inputs("hi", {"max_tokens": 10 ** 9}), "max_tokens 1000000000 exceeds"),
+    "max_tokens 1e9": (request_inputs("hi", {"max_tokens": 10**9}), "max_tokens 1000000000 exceeds"),
     "prompt over max_model_len": (request_inputs("hello " * 400, {"max_tokens": 4}), "max_model_len"),
-    "stream without exclude_input_in_output": (request_inputs("hi", {"max_tokens": 4}, exclude_input_in_output=False),
-                                               "exclude_input_in_output"),
+    "stream without exclude_input_in_output": (
+        request_inputs("hi", {"max_tokens": 4}, exclude_input_in_output=False),
+        "exclude_input_in_output",
+    ),
     "non-UTF-8 bytes": (request_inputs(b"caf\xe9 \xff", {"max_tokens": 4}), "text_input is not valid UTF-8"),
 }
 
@@ -306,6 +377,7 @@ def test_bad_requests_get_errors_naming_the_problem_while_a_good_stream_runs(ser
 
 
 # Shutdown --------------------------------------------------------------------------------------------------------
+
 
 def test_sigterm_ends_in_flight_streams_with_an_error():
     with triton_server(KNOBS) as server:
@@ -334,12 +406,23 @@ def test_serve_says_how_to_reach_it_and_stops_cleanly_on_sigterm(tmp_path):
     import sys
 
     http, grpc, metrics, openai = free_ports(4)
-    env = {**os.environ, "NEO_HTTP_PORT": str(http), "NEO_GRPC_PORT": str(grpc), "NEO_METRICS_PORT": str(metrics),
-           "NEO_OPENAI_PORT": str(openai), "NEO_NUM_GPU_BLOCKS": "256"}
+    env = {
+        **os.environ,
+        "NEO_HTTP_PORT": str(http),
+        "NEO_GRPC_PORT": str(grpc),
+        "NEO_METRICS_PORT": str(metrics),
+        "NEO_OPENAI_PORT": str(openai),
+        "NEO_NUM_GPU_BLOCKS": "256",
+    }
     log_path = tmp_path / "serve.log"
     with log_path.open("w") as log:
-        process = subprocess.Popen([sys.executable, "-m", "neo_backend", "serve"], stdout=log,
-                                   stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        process = subprocess.Popen(
+            [sys.executable, "-m", "neo_backend", "serve"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
     try:
         deadline = time.monotonic() + 300
         while "  or:   curl" not in log_path.read_text() and time.monotonic() < deadline:
@@ -348,8 +431,12 @@ def test_serve_says_how_to_reach_it_and_stops_cleanly_on_sigterm(tmp_path):
         time.sleep(2)
         tail = log_path.read_text().splitlines()[-7:]
         assert tail[0].endswith("ready: model 'neo'"), tail
-        for needle in (f"127.0.0.1:{grpc}", f"http://127.0.0.1:{http}/v2/models/neo/generate",
-                       f"http://127.0.0.1:{metrics}/metrics", f"http://127.0.0.1:{openai}/v1"):
+        for needle in (
+            f"127.0.0.1:{grpc}",
+            f"http://127.0.0.1:{http}/v2/models/neo/generate",
+            f"http://127.0.0.1:{metrics}/metrics",
+            f"http://127.0.0.1:{openai}/v1",
+        ):
             assert any(needle in line for line in tail), (needle, tail)
         command = shlex.split(next(line for line in tail if "try:" in line).split("try:", 1)[1])
         answer = subprocess.run(command, capture_output=True, text=True, timeout=120)

@@ -1,4 +1,5 @@
 """The Triton model's request parsing, responses and metrics, and the knob parsing they share, without a server."""
+
 from __future__ import annotations
 
 import json
@@ -8,14 +9,14 @@ import pytest
 
 from neo_backend.cli import _sampling_from_args, build_parser
 from neo_backend.config import EngineConfig, parse_knob
-from neo_backend.errors import ConfigError, EngineDeadError, InvalidRequestError, KernelError, QueueFullError
 from neo_backend.core.outputs import RequestMetrics, RequestOutput
 from neo_backend.core.sampling_params import SamplingParams
-from neo_backend.triton.server import knob_overrides
+from neo_backend.errors import ConfigError, EngineDeadError, InvalidRequestError, KernelError, QueueFullError
 from neo_backend.triton.metrics import NeoMetrics
 from neo_backend.triton.parameters import engine_config
 from neo_backend.triton.request import RequestSpec
 from neo_backend.triton.responses import ErrorCode, ResponseWriter, is_cancelled, rejection, send_quietly
+from neo_backend.triton.server import knob_overrides
 
 
 class FakeTensor:
@@ -50,15 +51,23 @@ def sampling_tensor(values: dict) -> FakeTensor:
 
 
 def output(text: str, token_ids: list[int], finished: bool = False, **fields) -> RequestOutput:
-    values = dict(finish_reason="length" if finished else None, num_prompt_tokens=3, num_output_tokens=len(token_ids),
-                  cumulative_logprob=-1.5)
+    values = dict(
+        finish_reason="length" if finished else None,
+        num_prompt_tokens=3,
+        num_output_tokens=len(token_ids),
+        cumulative_logprob=-1.5,
+    )
     return RequestOutput("r", text, token_ids, finished, **{**values, **fields})
 
 
 # Knob parsing ----------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("text, value", [(word, True) for word in ("1", "true", "yes", "on", " TRUE ", "Yes")]
-                         + [(word, False) for word in ("0", "false", "no", "off", "False", " OFF")])
+
+@pytest.mark.parametrize(
+    "text, value",
+    [(word, True) for word in ("1", "true", "yes", "on", " TRUE ", "Yes")]
+    + [(word, False) for word in ("0", "false", "no", "off", "False", " OFF")],
+)
 def test_every_boolean_spelling_reads_the_same_from_every_source(text, value):
     assert EngineConfig.from_strings({"enforce_eager": text}).enforce_eager is value
     assert EngineConfig.from_env({"NEO_ENFORCE_EAGER": text}).enforce_eager is value
@@ -78,18 +87,41 @@ def test_parse_knob_reads_types_and_unset_optionals():
 
 def test_sampling_strings_are_parsed_and_other_values_left_to_validation():
     values = {"temperature": "0.1", "max_tokens": " 12", "seed": "null", "stop": "x", "stop_token_ids": [5], "top_k": 3}
-    assert SamplingParams.parse_strings(values) == {"temperature": 0.1, "max_tokens": 12, "seed": None, "stop": "x",
-                                                    "stop_token_ids": [5], "top_k": 3}
+    assert SamplingParams.parse_strings(values) == {
+        "temperature": 0.1,
+        "max_tokens": 12,
+        "seed": None,
+        "stop": "x",
+        "stop_token_ids": [5],
+        "top_k": 3,
+    }
     assert SamplingParams.parse_strings({"no_such_knob": "1"}) == {"no_such_knob": "1"}
     with pytest.raises(InvalidRequestError, match="sampling parameter temperature='hot' is not a valid float"):
         SamplingParams.parse_strings({"temperature": "hot"})
 
 
 def test_cli_sampling_flags_use_the_knob_rules():
-    args = build_parser().parse_args(["generate", "--prompt", "hi", "--max-tokens", "7", "--temperature", "0",
-                                      "--ignore-eos", "--stop", "a", "--stop", "b", "--stop-token-ids", "9"])
-    assert _sampling_from_args(args) == SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True, stop=["a", "b"],
-                                                       stop_token_ids=[9])
+    args = build_parser().parse_args(
+        [
+            "generate",
+            "--prompt",
+            "hi",
+            "--max-tokens",
+            "7",
+            "--temperature",
+            "0",
+            "--ignore-eos",
+            "--stop",
+            "a",
+            "--stop",
+            "b",
+            "--stop-token-ids",
+            "9",
+        ]
+    )
+    assert _sampling_from_args(args) == SamplingParams(
+        max_tokens=7, temperature=0.0, ignore_eos=True, stop=["a", "b"], stop_token_ids=[9]
+    )
     args = build_parser().parse_args(["generate", "--prompt", "hi", "--max-tokens", "many"])
     with pytest.raises(InvalidRequestError, match="flag max_tokens='many' is not a valid int"):
         _sampling_from_args(args)
@@ -121,14 +153,18 @@ def test_backend_parameters_are_no_knobs_but_unknown_ones_fail():
 
 # Requests --------------------------------------------------------------------------------------------------------
 
+
 def test_a_bare_prompt_is_a_non_streamed_answer_with_the_prompt_prepended():
     spec = RequestSpec.parse(FakeRequest("Héllo".encode()))
     assert spec == RequestSpec("Héllo", {}, stream=False, exclude_input=False, returns=frozenset())
 
 
 def test_flags_come_from_bool_inputs_or_request_parameters():
-    request = FakeRequest(parameters={"stream": True, "return_finish_reason": True},
-                          logprobs=flag("return_logprobs", True), input_tokens=flag("return_num_input_tokens", False))
+    request = FakeRequest(
+        parameters={"stream": True, "return_finish_reason": True},
+        logprobs=flag("return_logprobs", True),
+        input_tokens=flag("return_num_input_tokens", False),
+    )
     spec = RequestSpec.parse(request)
     assert spec.stream and spec.exclude_input and spec.returns == {"finish_reason", "logprobs"}
     with pytest.raises(InvalidRequestError, match="request parameter stream must be a boolean, got 'true'"):
@@ -144,39 +180,60 @@ def test_streaming_must_exclude_the_prompt():
 
 
 def test_sampling_comes_from_parameters_unless_a_sampling_parameters_input_is_given():
-    parameters = {"temperature": "0.5", "ignore_eos": "on", "triton_enable_empty_final_response": True,
-                  "priority": 1, "stream": False}
+    parameters = {
+        "temperature": "0.5",
+        "ignore_eos": "on",
+        "triton_enable_empty_final_response": True,
+        "priority": 1,
+        "stream": False,
+    }
     assert RequestSpec.parse(FakeRequest(parameters=parameters)).sampling == {"temperature": 0.5, "ignore_eos": True}
     request = FakeRequest(parameters=parameters, sampling=sampling_tensor({"max_tokens": "4"}))
     assert RequestSpec.parse(request).sampling == {"max_tokens": 4}
 
 
 def test_scalar_inputs_take_precedence_over_sampling_parameters():
-    request = FakeRequest(sampling=sampling_tensor({"max_tokens": 99, "top_p": 0.5}),
-                          max_tokens=FakeTensor("max_tokens", [7], np.int32),
-                          temperature=FakeTensor("temperature", [0.25], np.float32),
-                          stop=FakeTensor("stop_words", [b"\n", "é".encode()]))
-    assert RequestSpec.parse(request).sampling == {"max_tokens": 7, "top_p": 0.5, "temperature": 0.25,
-                                                   "stop": ["\n", "é"]}
+    request = FakeRequest(
+        sampling=sampling_tensor({"max_tokens": 99, "top_p": 0.5}),
+        max_tokens=FakeTensor("max_tokens", [7], np.int32),
+        temperature=FakeTensor("temperature", [0.25], np.float32),
+        stop=FakeTensor("stop_words", [b"\n", "é".encode()]),
+    )
+    assert RequestSpec.parse(request).sampling == {
+        "max_tokens": 7,
+        "top_p": 0.5,
+        "temperature": 0.25,
+        "stop": ["\n", "é"],
+    }
     with pytest.raises(InvalidRequestError, match="max_tokens must hold exactly one value, got 2"):
         RequestSpec.parse(FakeRequest(max_tokens=FakeTensor("max_tokens", [1, 2], np.int32)))
 
 
-@pytest.mark.parametrize("request_, message", [
-    (FakeRequest(None), "missing input text_input"),
-    (FakeRequest(b"\xff"), "text_input is not valid UTF-8 (invalid start byte at byte 0)"),
-    (FakeRequest(None, text=FakeTensor("text_input", [b"a", b"b"])), "text_input must hold exactly one string, got 2"),
-    (FakeRequest(sampling=FakeTensor("sampling_parameters", [b"{"])), "sampling_parameters is not valid JSON"),
-    (FakeRequest(sampling=sampling_tensor([1])), "sampling_parameters must be a JSON object, got list"),
-    (FakeRequest(sampling=FakeTensor("sampling_parameters", [b"[" * 100_000])), "nests too deeply"),
-    (FakeRequest(sampling=sampling_tensor({"top_k": "three"})), "sampling parameter top_k='three' is not a valid int"),
-])
+@pytest.mark.parametrize(
+    "request_, message",
+    [
+        (FakeRequest(None), "missing input text_input"),
+        (FakeRequest(b"\xff"), "text_input is not valid UTF-8 (invalid start byte at byte 0)"),
+        (
+            FakeRequest(None, text=FakeTensor("text_input", [b"a", b"b"])),
+            "text_input must hold exactly one string, got 2",
+        ),
+        (FakeRequest(sampling=FakeTensor("sampling_parameters", [b"{"])), "sampling_parameters is not valid JSON"),
+        (FakeRequest(sampling=sampling_tensor([1])), "sampling_parameters must be a JSON object, got list"),
+        (FakeRequest(sampling=FakeTensor("sampling_parameters", [b"[" * 100_000])), "nests too deeply"),
+        (
+            FakeRequest(sampling=sampling_tensor({"top_k": "three"})),
+            "sampling parameter top_k='three' is not a valid int",
+        ),
+    ],
+)
 def test_malformed_requests_name_what_is_wrong(request_, message):
     with pytest.raises(InvalidRequestError, match=message.replace("(", r"\(").replace(")", r"\)")):
         RequestSpec.parse(request_)
 
 
 # Responses -------------------------------------------------------------------------------------------------------
+
 
 def decode(token_ids: list[int]) -> str:
     return f"<{token_ids[0]}>"
@@ -204,7 +261,8 @@ def test_a_whole_answer_is_sent_once_with_the_prompt_and_all_logprobs():
     assert answer["num_input_tokens"].tolist() == [3] and answer["num_output_tokens"].tolist() == [2]
     assert json.loads(answer["logprobs"][0]) == [
         {"1": {"logprob": -0.5, "decoded_token": "<1>"}, "4": {"logprob": -1.0, "decoded_token": "<4>"}},
-        {"2": {"logprob": -0.25, "decoded_token": "<2>"}}]
+        {"2": {"logprob": -0.25, "decoded_token": "<2>"}},
+    ]
 
 
 def test_logprobs_asked_for_but_not_produced_are_null():
@@ -212,12 +270,15 @@ def test_logprobs_asked_for_but_not_produced_are_null():
     assert writer.add(output("x", [1]))["logprobs"].tolist() == [b"null"]
 
 
-@pytest.mark.parametrize("error, reason, code", [
-    (QueueFullError("full"), "queue_full", ErrorCode.UNAVAILABLE),
-    (EngineDeadError("dead"), "engine_dead", ErrorCode.UNAVAILABLE),
-    (InvalidRequestError("bad"), "invalid_request", ErrorCode.INVALID_ARG),
-    (KernelError("broken"), "rejected", ErrorCode.INTERNAL),
-])
+@pytest.mark.parametrize(
+    "error, reason, code",
+    [
+        (QueueFullError("full"), "queue_full", ErrorCode.UNAVAILABLE),
+        (EngineDeadError("dead"), "engine_dead", ErrorCode.UNAVAILABLE),
+        (InvalidRequestError("bad"), "invalid_request", ErrorCode.INVALID_ARG),
+        (KernelError("broken"), "rejected", ErrorCode.INTERNAL),
+    ],
+)
 def test_rejections_have_a_metric_reason_and_an_error_code(error, reason, code):
     assert rejection(error) == (reason, code)
 
@@ -247,6 +308,7 @@ def test_a_sender_that_fails_is_reported_not_raised():
 
 # Metrics ---------------------------------------------------------------------------------------------------------
 
+
 class FakeMetric:
     def __init__(self, labels: dict, buckets: list | None) -> None:
         self.labels, self.buckets, self.observed, self.value = labels, buckets, [], 0
@@ -263,6 +325,7 @@ class FakeMetric:
 
 class FakeMetricFamily:
     """pb_utils.MetricFamily's interface; every metric it makes is kept by (name, labels)."""
+
     HISTOGRAM, COUNTER, GAUGE = "histogram", "counter", "gauge"
     metrics: dict[tuple[str, tuple], FakeMetric]
 
@@ -287,8 +350,11 @@ def metric(made: dict, name: str, **labels: str) -> FakeMetric:
 
 def test_latencies_reach_the_histograms_only_when_flushed(metrics):
     neo, made = metrics
-    neo.record(RequestMetrics(arrival_time=10.0, first_scheduled_time=10.5, first_token_time=11.0, finish_time=14.0,
-                              num_output_tokens=4))
+    neo.record(
+        RequestMetrics(
+            arrival_time=10.0, first_scheduled_time=10.5, first_token_time=11.0, finish_time=14.0, num_output_tokens=4
+        )
+    )
     neo.record(RequestMetrics(10.0, None, None, None, 0))
     assert metric(made, "neo_e2e_request_latency_seconds").observed == []
     neo.flush()

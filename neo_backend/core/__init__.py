@@ -1,1 +1,2 @@
-"""The engine core: sequences, block accounting, the scheduler and its performance model (no torch devices, no data movement)."""
+"""The engine core: sequences, block accounting, the scheduler and its performance model (no devices, no data
+movement: the executor carries out what the scheduler plans)."""

@@ -1,4 +1,5 @@
 """Paged KV block accounting for one pool (device or host)."""
+
 from __future__ import annotations
 
 from collections import deque
@@ -38,9 +39,11 @@ class BlockManager:
 
     def allocate(self, num_blocks: int) -> list[int]:
         if num_blocks > len(self._free):
-            raise SchedulerError(f"{self.name} KV pool: {num_blocks} blocks asked for, {len(self._free)} free; the "
-                                 f"scheduler checks room before it allocates, so this is an engine bug: please "
-                                 f"report it with the log")
+            raise SchedulerError(
+                f"{self.name} KV pool: {num_blocks} blocks asked for, {len(self._free)} free; the "
+                f"scheduler checks room before it allocates, so this is an engine bug: please "
+                f"report it with the log"
+            )
         return [self._free.popleft() for _ in range(num_blocks)]
 
     def release(self, blocks: list[int]) -> None:

@@ -1,4 +1,5 @@
 """What the engine reports back for a request, step by step."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -34,10 +35,10 @@ class RequestMetrics:
 @dataclass
 class RequestOutput:
     request_id: str
-    text: str                      # text produced since the previous output of this request
-    token_ids: list[int]           # tokens produced since the previous output
+    text: str  # text produced since the previous output of this request
+    token_ids: list[int]  # tokens produced since the previous output
     finished: bool
-    finish_reason: str | None      # stop | length | abort | error
+    finish_reason: str | None  # stop | length | abort | error
     num_prompt_tokens: int
     num_output_tokens: int
     cumulative_logprob: float

@@ -9,32 +9,33 @@ so CPU contention from other processes makes the scheduler hand the CPU less wor
 iterations are watched too, and `offload_slowdown` scales every prediction that involves CPU work (`corrected`,
 taken back out where such a prediction is compared with its measurement, `observe_iteration`).
 """
+
 from __future__ import annotations
 
 import bisect
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
 log = logging.getLogger("neo_backend")
 
 CORRECTION_SMOOTHING = 0.3
-RECOVERY = 0.02   # per iteration without CPU work, the corrections drift back toward the prediction
+RECOVERY = 0.02  # per iteration without CPU work, the corrections drift back toward the prediction
 
 
 @dataclass
 class PerfModel:
-    dense_tokens: list[int]          # profiled token counts, ascending
-    dense_seconds: list[float]       # dense time at each, non-decreasing
+    dense_tokens: list[int]  # profiled token counts, ascending
+    dense_seconds: list[float]  # dense time at each, non-decreasing
     gpu_attn_per_token: float
     cpu_attn_fixed: float
     cpu_attn_per_request: float
     cpu_attn_per_token: float
-    cpu_correction: float = 1.0      # measured / predicted host attention time (kernel calls alone)
-    gpu_only_ratio: float = 1.0      # measured / predicted time of iterations without CPU work
+    cpu_correction: float = 1.0  # measured / predicted host attention time (kernel calls alone)
+    gpu_only_ratio: float = 1.0  # measured / predicted time of iterations without CPU work
     offload_ratio: float | None = None  # measured / predicted time of iterations with CPU work, once seen
 
     def dense(self, tokens: int) -> float:

@@ -19,25 +19,32 @@ The scheduler moves no data: its plan (`SchedulerOutput`) lists the swaps, which
 before the step. A swap-out started after a step (a finished prefill going to the host) is in flight until the
 runner reports it landed (`swaps_landed`): only then are its device blocks free and may the request decode.
 """
+
 from __future__ import annotations
 
 from collections import deque
 
-from .block_manager import BlockManager
 from ..config import EngineConfig
+from .block_manager import BlockManager
 from .perf_model import PerfModel
 from .scheduler_output import SchedulerOutput, SwapIn, SwapOut
 from .sequence import Placement, Sequence, SequenceStatus
 
-MAX_SKIPPED_ITERATIONS = 4   # auto: a CPU-request left out this many iterations in a row runs regardless
-GPU_WATERMARK = 0.05         # auto: keep this fraction of device blocks free before offloading new requests
-CPU_BEHIND = 1.5             # auto: measured/predicted host time above this stops new offloads
-HOST_SLOW = 3.0              # auto: host attention this much slower than profiled sends CPU-requests back
+MAX_SKIPPED_ITERATIONS = 4  # auto: a CPU-request left out this many iterations in a row runs regardless
+GPU_WATERMARK = 0.05  # auto: keep this fraction of device blocks free before offloading new requests
+CPU_BEHIND = 1.5  # auto: measured/predicted host time above this stops new offloads
+HOST_SLOW = 3.0  # auto: host attention this much slower than profiled sends CPU-requests back
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, policy: str, gpu_blocks: BlockManager, cpu_blocks: BlockManager,
-                 perf: PerfModel | None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        policy: str,
+        gpu_blocks: BlockManager,
+        cpu_blocks: BlockManager,
+        perf: PerfModel | None,
+    ) -> None:
         """`policy`: the offload policy this engine can serve (`never` without a host pool); `perf`: None under
         `never`."""
         self.config = config
@@ -178,8 +185,7 @@ class Scheduler:
         """Give `seq` room for `num_tokens`, evicting the newest running requests (swap-out or recompute)."""
         while not self.gpu_blocks.can_grow(seq, num_tokens):
             victim = self.running[-1]
-            if not (victim.is_decode and victim.request_id not in self._swapped_in and
-                    self._swap_out_now(victim, out)):
+            if not (victim.is_decode and victim.request_id not in self._swapped_in and self._swap_out_now(victim, out)):
                 self._preempt(victim, out)
             if victim is seq:
                 return False
@@ -202,8 +208,7 @@ class Scheduler:
         return ready
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
-        while (self.waiting and budget > 0 and
-               len(self.running) + len(self.cpu_running) < self.config.max_num_seqs):
+        while self.waiting and budget > 0 and len(self.running) + len(self.cpu_running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             n = min(seq.num_uncomputed_tokens, budget)
             if not self.gpu_blocks.can_grow(seq, n):
@@ -261,7 +266,7 @@ class Scheduler:
             t = self.perf.pipelined(gpu_tokens, gpu_ctx, (split, prefix[split]), (n - split, prefix[n] - prefix[split]))
             if t < best_pipe:
                 best_pipe, best_split = t, split
-        if best_split == n:   # nothing in sub-batch 1: that is the sequential mode
+        if best_split == n:  # nothing in sub-batch 1: that is the sequential mode
             return sequential, False, 0
         if self.config.pipeline == "on" or best_pipe < sequential:
             return best_pipe, True, best_split

@@ -1,4 +1,5 @@
 """The scheduler's plan for one iteration: what runs where, and the swaps the model runner carries out first."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -9,6 +10,7 @@ from .sequence import Sequence
 @dataclass
 class SwapIn:
     """Copy a CPU-request's host blocks up to the device blocks it now owns."""
+
     host_blocks: list[int]
     device_blocks: list[int]
 
@@ -16,6 +18,7 @@ class SwapIn:
 @dataclass
 class SwapOut:
     """Copy a request's device blocks down to the host blocks it now owns."""
+
     request_id: str
     device_blocks: list[int]
     host_blocks: list[int]
@@ -27,7 +30,7 @@ class SchedulerOutput:
     gpu_decodes: list[Sequence] = field(default_factory=list)
     cpu_decodes: list[Sequence] = field(default_factory=list)
     pipelined: bool = False
-    split: int = 0                     # pipelined: cpu_decodes[:split] ride in sub-batch 0, the rest in 1
+    split: int = 0  # pipelined: cpu_decodes[:split] ride in sub-batch 0, the rest in 1
     # The runner's order: swap-ins; then, where a preempted request's host blocks were still being copied into,
     # every swap-out in flight lands; then the swap-outs whose device blocks this step reuses, each landed at once.
     swap_in: list[SwapIn] = field(default_factory=list)

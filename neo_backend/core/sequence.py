@@ -1,4 +1,5 @@
 """A request's state as it moves through the engine."""
+
 from __future__ import annotations
 
 import enum
@@ -18,6 +19,7 @@ class SequenceStatus(enum.Enum):
 
 class Placement(enum.Enum):
     """Where a running request's KV cache lives, and so where its decode attention runs (NEO)."""
+
     GPU = "gpu"
     CPU = "cpu"
 
@@ -55,7 +57,7 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[len(self.prompt_token_ids):]
+        return self.token_ids[len(self.prompt_token_ids) :]
 
     @property
     def num_uncomputed_tokens(self) -> int:

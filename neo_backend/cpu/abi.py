@@ -1,5 +1,6 @@
 """The numbers of the library's C ABI (kernels/abi.h), mirrored for ctypes; tests/test_cpu_abi.py checks every
 one against the header."""
+
 from __future__ import annotations
 
 from enum import IntEnum
@@ -20,6 +21,7 @@ DTYPE_CODES = {torch.float32: DType.F32, torch.float16: DType.F16, torch.bfloat1
 
 class Isa(IntEnum):
     """SIMD paths: scalar, AVX2+FMA+F16C, AVX-512."""
+
     SCALAR = 0
     AVX2 = 1
     AVX512 = 2
@@ -27,6 +29,7 @@ class Isa(IntEnum):
 
 class Status(IntEnum):
     """What `neo_paged_attention` returns (and `neo_decode_iteration`, besides an `IterationStatus`)."""
+
     OK = 0
     UNSUPPORTED = 1
     NO_MEMORY = 2
@@ -35,6 +38,7 @@ class Status(IntEnum):
 
 class WaitStatus(IntEnum):
     """What `neo_wait_flag` returns."""
+
     SET = 0
     FAILED = 1
     TIMED_OUT = 2
@@ -42,6 +46,7 @@ class WaitStatus(IntEnum):
 
 class IterationStatus(IntEnum):
     """What `neo_decode_iteration` returns when a hand-off, not a kernel, stopped it."""
+
     HAND_OFF_TIMED_OUT = 12
     ABANDONED = 20
 
@@ -52,6 +57,7 @@ FLAG_FAILED = -1
 
 class StepField(IntEnum):
     """The int64 fields of one step of `neo_decode_iteration`'s table, in order."""
+
     READY = 0
     DONE = 1
     Q = 2

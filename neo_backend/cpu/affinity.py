@@ -2,6 +2,7 @@
 runs on that CPU alone and CPU attention on the others. With other processes kept off that CPU (cpusets,
 `docker --cpuset-cpus`), a busy host slows only the CPU attention, which `auto` then moves off the CPU; the
 GPU path keeps its pace."""
+
 from __future__ import annotations
 
 import logging
@@ -18,8 +19,10 @@ def attention_cpus(engine_cpu: int | None) -> set[int]:
     if engine_cpu is None:
         return allowed
     if engine_cpu not in allowed:
-        raise ConfigError(f"engine_cpu={engine_cpu} is not among the CPUs this process may use "
-                          f"({_ranges(allowed)}); pick one of them or leave engine_cpu unset")
+        raise ConfigError(
+            f"engine_cpu={engine_cpu} is not among the CPUs this process may use "
+            f"({_ranges(allowed)}); pick one of them or leave engine_cpu unset"
+        )
     if len(allowed) < 2:
         raise ConfigError(f"engine_cpu needs at least two CPUs, this process may use only {_ranges(allowed)}")
     return allowed - {engine_cpu}

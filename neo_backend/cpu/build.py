@@ -5,6 +5,7 @@ CPU's feature flags (the library dispatches ISAs at run time, but a cached build
 different CPU). Builds land in `$NEO_KERNEL_CACHE/<key>/` (default `~/.cache/neo-triton/kernels/<key>/`),
 written to a temporary name and renamed, so concurrent processes never see a half-written library.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -21,8 +22,17 @@ MAIN_SOURCE = "cpu_attention.cpp"
 LIB_NAME = "libneo_cpu_attention.so"
 # No -march=native: the AVX2/AVX-512 code sits in per-ISA target regions, chosen at run time.
 # No -ffast-math: the kernel relies on IEEE infinities for its running max.
-FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-fvisibility=hidden",
-         "-Wall", "-Wextra")
+FLAGS = (
+    "-O3",
+    "-std=c++17",
+    "-fPIC",
+    "-shared",
+    "-fopenmp",
+    "-fno-math-errno",
+    "-fvisibility=hidden",
+    "-Wall",
+    "-Wextra",
+)
 
 
 def compiler() -> str:
@@ -37,8 +47,10 @@ def cache_root() -> pathlib.Path:
 
 def _sources(kernel_dir: pathlib.Path) -> list[pathlib.Path]:
     if not (kernel_dir / MAIN_SOURCE).is_file():
-        raise KernelError(f"kernel source {kernel_dir / MAIN_SOURCE} is missing; run from a full checkout "
-                          "of neo-triton (the kernels/ folder ships next to neo_backend/)")
+        raise KernelError(
+            f"kernel source {kernel_dir / MAIN_SOURCE} is missing; run from a full checkout "
+            "of neo-triton (the kernels/ folder ships next to neo_backend/)"
+        )
     return sorted(p for p in kernel_dir.iterdir() if p.suffix in (".cpp", ".h"))
 
 
@@ -87,14 +99,14 @@ def build(force: bool = False, kernel_dir: pathlib.Path = KERNEL_DIR) -> pathlib
         fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=out_dir)
         os.close(fd)
     except OSError as e:
-        raise KernelError(f"cannot write the kernel cache {out_dir}: {e}; set NEO_KERNEL_CACHE to a "
-                          "writable folder") from e
+        raise KernelError(
+            f"cannot write the kernel cache {out_dir}: {e}; set NEO_KERNEL_CACHE to a writable folder"
+        ) from e
     cmd = [compiler(), *FLAGS, "-o", tmp, str(kernel_dir / MAIN_SOURCE)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         if proc.returncode != 0:
-            raise KernelError(f"compiling the CPU attention library failed ({' '.join(cmd)}):\n"
-                              f"{proc.stderr[-4000:]}")
+            raise KernelError(f"compiling the CPU attention library failed ({' '.join(cmd)}):\n{proc.stderr[-4000:]}")
         os.replace(tmp, lib)
     except (OSError, subprocess.SubprocessError) as e:
         raise KernelError(f"compiling the CPU attention library failed ({' '.join(cmd)}): {e}") from e

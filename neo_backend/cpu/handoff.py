@@ -4,6 +4,7 @@ Per layer, the device sets a sub-batch's "ready" flag once that layer's q/k/v ar
 CPU-attention loop (`Kernels.decode_iteration`) sets a "done" flag once its output is, and the launching thread
 waits on it before launching the work that consumes it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -54,7 +55,7 @@ class Flags:
         """Sets flag `index` after the work queued before it: on CUDA by copying `one` (int64 [1] holding 1, on
         the device) on the current stream, so it lands behind the copies it announces; elsewhere at once."""
         if one.device.type == "cuda":
-            self.tensor[index:index + 1].copy_(one, non_blocking=True)
+            self.tensor[index : index + 1].copy_(one, non_blocking=True)
         else:
             self.set(index)
 
@@ -63,7 +64,7 @@ class Flags:
 
     def fail_pending(self) -> None:
         """Marks every flag of the current round not yet set as failed."""
-        pending = self.values[:self.size]
+        pending = self.values[: self.size]
         pending[pending == 0] = self.FAILED
 
     def address(self, index: int = 0) -> int:
@@ -83,6 +84,7 @@ class Flags:
 class IterationLane:
     """One sub-batch's CPU decodes in a pipelined iteration: the same host buffers serve every layer (each
     layer's q/k/v are copied in before its `ready` flag is set), and `ready` holds one flag per layer."""
+
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor

@@ -3,6 +3,7 @@
 Calls go through ctypes, which releases the GIL for the whole foreign call: the engine can run GPU work from
 another Python thread while the kernel runs.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -22,11 +23,12 @@ def load(path: pathlib.Path) -> ctypes.CDLL:
     try:
         lib = ctypes.CDLL(str(path))
     except OSError as e:
-        raise KernelError(f"cannot load {path}: {e}; rebuild with "
-                          "`python -m neo_backend build-kernel --force`") from e
+        raise KernelError(f"cannot load {path}: {e}; rebuild with `python -m neo_backend build-kernel --force`") from e
     if lib.neo_abi_version() != ABI_VERSION:
-        raise KernelError(f"{path} has ABI {lib.neo_abi_version()}, this binding needs {ABI_VERSION}; "
-                          "rebuild with `python -m neo_backend build-kernel --force`")
+        raise KernelError(
+            f"{path} has ABI {lib.neo_abi_version()}, this binding needs {ABI_VERSION}; "
+            "rebuild with `python -m neo_backend build-kernel --force`"
+        )
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.neo_paged_attention.argtypes = [p, i, p, p, i, p, p, p, i, i, i, i, i, i, ctypes.c_float, i, i]
     lib.neo_paged_attention.restype = i
@@ -37,8 +39,7 @@ def load(path: pathlib.Path) -> ctypes.CDLL:
     lib.neo_set_isa.argtypes = [i]
     lib.neo_wait_flag.argtypes = [p, ctypes.c_int64, ctypes.c_double, ctypes.c_double]
     lib.neo_wait_flag.restype = i
-    lib.neo_decode_iteration.argtypes = [p, i, i, i, i, i, i, i, ctypes.c_float, i, ctypes.c_double,
-                                         ctypes.c_double, p]
+    lib.neo_decode_iteration.argtypes = [p, i, i, i, i, i, i, i, ctypes.c_float, i, ctypes.c_double, ctypes.c_double, p]
     lib.neo_decode_iteration.restype = i
     return lib
 

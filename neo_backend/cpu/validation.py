@@ -1,5 +1,6 @@
 """Checks of everything handed to the library, before any C code runs: bad input raises `KernelInputError` and
 never reaches the library, whose C side refuses only what it cannot compute."""
+
 from __future__ import annotations
 
 import math
@@ -62,8 +63,9 @@ def _check_caches(k_cache: object, v_cache: object) -> tuple[int, int, int, int]
     return num_blocks, block_size, hkv, d
 
 
-def check_attention(q: object, k_cache: object, v_cache: object, block_tables: object, context_lens: object,
-                    scale: object, out: object) -> AttentionShape:
+def check_attention(
+    q: object, k_cache: object, v_cache: object, block_tables: object, context_lens: object, scale: object, out: object
+) -> AttentionShape:
     """The arguments of `Kernels.paged_decode_attention`, which documents them."""
     num_blocks, block_size, hkv, d = _check_caches(k_cache, v_cache)
     if d not in SUPPORTED_HEAD_DIMS:
@@ -87,8 +89,9 @@ def check_attention(q: object, k_cache: object, v_cache: object, block_tables: o
     return AttentionShape(b, hq, hkv, d, block_size, max_blocks)
 
 
-def _check_block_tables(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
-                        num_blocks: int) -> None:
+def _check_block_tables(
+    block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, num_blocks: int
+) -> None:
     """Context lengths fit the table, and every entry the kernel will read names an existing block."""
     # numpy: a few microseconds per operation where torch dispatch costs tens, on every decode step.
     ctx, tables = context_lens.numpy(), block_tables.numpy()
@@ -96,13 +99,15 @@ def _check_block_tables(block_tables: torch.Tensor, context_lens: torch.Tensor, 
     if lo < 1:
         raise KernelInputError(f"context_lens must be >= 1 (they include the current token); got {lo}")
     if hi > tables.shape[1] * block_size:
-        raise KernelInputError(f"context length {hi} exceeds the block table's capacity "
-                               f"({tables.shape[1]} blocks x {block_size} tokens)")
+        raise KernelInputError(
+            f"context length {hi} exceeds the block table's capacity ({tables.shape[1]} blocks x {block_size} tokens)"
+        )
     used = np.arange(tables.shape[1]) < ((ctx + (block_size - 1)) // block_size)[:, None]
     bad = used & ((tables < 0) | (tables >= num_blocks))
     if bad.any():
-        raise KernelInputError(f"block_tables holds block id {int(tables[bad][0])} within a context, outside "
-                               f"the cache's [0, {num_blocks})")
+        raise KernelInputError(
+            f"block_tables holds block id {int(tables[bad][0])} within a context, outside the cache's [0, {num_blocks})"
+        )
 
 
 def check_append(k: object, v: object, k_cache: object, v_cache: object, slot_mapping: object) -> None:
@@ -120,26 +125,36 @@ def check_append(k: object, v: object, k_cache: object, v_cache: object, slot_ma
     slots = slot_mapping.numpy()
     lo, hi = int(slots.min()), int(slots.max())
     if lo < 0 or hi >= num_blocks * block_size:
-        raise KernelInputError(f"slot_mapping holds slot {lo if lo < 0 else hi}, outside the cache's "
-                               f"[0, {num_blocks * block_size})")
+        raise KernelInputError(
+            f"slot_mapping holds slot {lo if lo < 0 else hi}, outside the cache's [0, {num_blocks * block_size})"
+        )
 
 
-def check_iteration(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], lanes: list[IterationLane],
-                    done: Flags, scale: float) -> list[AttentionShape]:
+def check_iteration(
+    k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], lanes: list[IterationLane], done: Flags, scale: float
+) -> list[AttentionShape]:
     """The arguments of `Kernels.decode_iteration`, once per lane: every layer's caches share layer 0's shape,
     so the library can attend over all of them with the same checked inputs. Returns each lane's shape."""
     num_layers = len(k_caches)
     if len(v_caches) != num_layers or not lanes:
-        raise KernelInputError(f"need one v cache per k cache and at least one lane; got {num_layers} k, "
-                               f"{len(v_caches)} v caches and {len(lanes)} lanes")
+        raise KernelInputError(
+            f"need one v cache per k cache and at least one lane; got {num_layers} k, "
+            f"{len(v_caches)} v caches and {len(lanes)} lanes"
+        )
     for k_cache, v_cache in zip(k_caches, v_caches):
-        if k_cache.shape != k_caches[0].shape or v_cache.shape != k_cache.shape or k_cache.dtype != k_caches[0].dtype \
-                or v_cache.dtype != k_cache.dtype or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        if (
+            k_cache.shape != k_caches[0].shape
+            or v_cache.shape != k_cache.shape
+            or k_cache.dtype != k_caches[0].dtype
+            or v_cache.dtype != k_cache.dtype
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+        ):
             raise KernelInputError("every layer's k/v caches must be contiguous with layer 0's shape and dtype")
     shapes = []
     for lane in lanes:
-        shapes.append(check_attention(lane.q, k_caches[0], v_caches[0], lane.block_tables, lane.context_lens,
-                                      scale, lane.out))
+        shapes.append(
+            check_attention(lane.q, k_caches[0], v_caches[0], lane.block_tables, lane.context_lens, scale, lane.out)
+        )
         check_append(lane.k, lane.v, k_caches[0], v_caches[0], lane.slots)
         if lane.ready.values.size < num_layers:
             raise KernelInputError(f"a lane has {lane.ready.values.size} ready flags for {num_layers} layers")

@@ -8,6 +8,7 @@ decode step on an H200; a replay costs one launch.
 Both replay with the step's inputs copied into static buffers (`DecodeInputs`). Padded rows, and rows whose
 attention runs on the host, write their k/v to a scratch block that no request owns and attend to it alone.
 """
+
 from __future__ import annotations
 
 import logging
@@ -39,8 +40,9 @@ def lane_buckets(max_batch: int) -> list[int]:
 class DecodeInputs:
     """Static input buffers of captured decode graphs, for up to `max_batch` rows."""
 
-    def __init__(self, device: torch.device, max_batch: int, max_blocks_per_seq: int, scratch_block: int,
-                 block_size: int) -> None:
+    def __init__(
+        self, device: torch.device, max_batch: int, max_blocks_per_seq: int, scratch_block: int, block_size: int
+    ) -> None:
         self.max_batch = max_batch
         self.scratch_block = scratch_block
         self.scratch_slot = scratch_block * block_size
@@ -55,8 +57,13 @@ class DecodeInputs:
 
     def meta(self, bs: int) -> AttentionMetadata:
         """Every row of the bucket attends on the device (rows past the real decodes, to the scratch block)."""
-        return AttentionMetadata(slot_mapping=self.slots[:bs], prefills=[], num_prefill_tokens=0,
-                                 decode_block_tables=self.tables[:bs], decode_context_lens=self.lens[:bs])
+        return AttentionMetadata(
+            slot_mapping=self.slots[:bs],
+            prefills=[],
+            num_prefill_tokens=0,
+            decode_block_tables=self.tables[:bs],
+            decode_context_lens=self.lens[:bs],
+        )
 
     def load(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, bs: int) -> None:
         """Copy a decode-only (sub-)batch in: its device decodes first, then rows (host decodes, padding) that
@@ -91,12 +98,18 @@ class DecodeGraphs:
         start = time.monotonic()
         pool = None
         for bs in reversed(self.buckets):
-            forward = lambda bs=bs: self.model(self.inputs.input_ids[:bs], self.inputs.positions[:bs],  # noqa: E731
-                                               self.inputs.meta(bs))
+
+            def forward(bs: int = bs) -> torch.Tensor:
+                return self.model(self.inputs.input_ids[:bs], self.inputs.positions[:bs], self.inputs.meta(bs))
+
             self.graphs[bs], self.outputs[bs] = capture(forward, pool)
             pool = self.graphs[bs].pool()
-        log.info("captured decode CUDA graphs for %d batch sizes up to %d in %.1fs", len(self.buckets),
-                 self.inputs.max_batch, time.monotonic() - start)
+        log.info(
+            "captured decode CUDA graphs for %d batch sizes up to %d in %.1fs",
+            len(self.buckets),
+            self.inputs.max_batch,
+            time.monotonic() - start,
+        )
 
     def can_run(self, num_decodes: int) -> bool:
         return self.inputs.fits(num_decodes)
@@ -159,14 +172,13 @@ class LaneGraphs:
     def _segment(self, layer_idx: int, bs: int, with_host: bool) -> None:
         _BucketSegments(self, bs, with_host).segment(layer_idx)
 
-    def load(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, num_host: int
-             ) -> int:
+    def load(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, num_host: int) -> int:
         """Copy a decode-only lane in (device decodes, then `num_host` host decodes); returns its bucket."""
         bs = bucket_for(self.buckets, input_ids.numel())
         self.inputs.load(input_ids, positions, meta, bs)
         if num_host:
             self.host_mask[:bs].fill_(False)
-            self.host_mask[meta.num_decodes:meta.num_decodes + num_host].fill_(True)
+            self.host_mask[meta.num_decodes : meta.num_decodes + num_host].fill_(True)
         return bs
 
     def replay(self, bs: int, with_host: bool, segment: int) -> None:
@@ -179,8 +191,11 @@ class _BucketSegments(LayerSegments):
 
     def __init__(self, graphs: LaneGraphs, bs: int, with_host: bool) -> None:
         g, inputs = graphs, graphs.inputs
-        host = (HostHandOff(g.host_q[:bs], g.host_k[:bs], g.host_v[:bs], g.host_out[:bs], 0, g.ready, g.one)
-                if with_host else None)
+        host = (
+            HostHandOff(g.host_q[:bs], g.host_k[:bs], g.host_v[:bs], g.host_out[:bs], 0, g.ready, g.one)
+            if with_host
+            else None
+        )
         super().__init__(g.model, inputs.input_ids[:bs], inputs.positions[:bs], inputs.meta(bs), host)
         self.graphs, self.bs = graphs, bs
 
@@ -192,8 +207,8 @@ class _BucketSegments(LayerSegments):
         return attn, g.residual[:bs]
 
     def save(self, attn: torch.Tensor, residual: torch.Tensor) -> None:
-        self.graphs.attn[:self.bs].copy_(attn)
-        self.graphs.residual[:self.bs].copy_(residual)
+        self.graphs.attn[: self.bs].copy_(attn)
+        self.graphs.residual[: self.bs].copy_(residual)
 
     def finish(self, hidden: torch.Tensor) -> None:
-        self.graphs.final[:self.bs].copy_(hidden)
+        self.graphs.final[: self.bs].copy_(hidden)

@@ -15,6 +15,7 @@ partition is the device's first N SMs (torch's `GreenContext.create` takes a cou
 one or several processes asking for N SMs share the same N: the knob caps what an engine may use, it does not
 give two engines disjoint SMs.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -41,8 +42,11 @@ class SmPartition:
         except RuntimeError as exc:
             raise ConfigError(f"gpu_sm_count={num_sms}: the driver could not create the partition ({exc})") from None
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(self.context))  # never destroyed, not even at exit
-        log.info("GPU partition: %d of %d SMs (a green context; every GPU operation runs on its streams)", num_sms,
-                 torch.cuda.get_device_properties(index).multi_processor_count)
+        log.info(
+            "GPU partition: %d of %d SMs (a green context; every GPU operation runs on its streams)",
+            num_sms,
+            torch.cuda.get_device_properties(index).multi_processor_count,
+        )
 
     def stream(self) -> torch.cuda.Stream:
         """A stream whose work runs on the partition's SMs (the context hands out its pool in turn)."""
@@ -63,16 +67,20 @@ def sm_partition(num_sms: int, device: torch.device) -> SmPartition:
 def check_partition(num_sms: int, device: torch.device) -> None:
     """Raise ConfigError where `num_sms` cannot partition `device`."""
     if device.type != "cuda":
-        raise ConfigError(f"gpu_sm_count={num_sms} needs a CUDA device, but the engine runs on {device.type}; "
-                          f"unset gpu_sm_count")
+        raise ConfigError(
+            f"gpu_sm_count={num_sms} needs a CUDA device, but the engine runs on {device.type}; unset gpu_sm_count"
+        )
     from torch.cuda import green_contexts
 
     if not getattr(green_contexts, "SUPPORTED", False):
-        raise ConfigError(f"gpu_sm_count needs CUDA green contexts, which this torch {torch.__version__} was built "
-                          f"without; use a CUDA build of torch >= 2.10 or unset gpu_sm_count")
+        raise ConfigError(
+            f"gpu_sm_count needs CUDA green contexts, which this torch {torch.__version__} was built "
+            f"without; use a CUDA build of torch >= 2.10 or unset gpu_sm_count"
+        )
     props = torch.cuda.get_device_properties(device)
     if num_sms > props.multi_processor_count:
         raise ConfigError(f"gpu_sm_count={num_sms} exceeds the {props.multi_processor_count} SMs of {props.name}")
     if props.major >= 9 and num_sms % HOPPER_SM_GRANULARITY:
-        raise ConfigError(f"gpu_sm_count={num_sms}: {props.name} partitions in multiples of "
-                          f"{HOPPER_SM_GRANULARITY} SMs")
+        raise ConfigError(
+            f"gpu_sm_count={num_sms}: {props.name} partitions in multiples of {HOPPER_SM_GRANULARITY} SMs"
+        )

@@ -1,5 +1,6 @@
 """Decode attention of the CPU-requests over the host KV pool: what the model runner, the pipeline and the
 profiler call to run attention on the host."""
+
 from __future__ import annotations
 
 import time
@@ -17,9 +18,10 @@ from .host_pool import HostKVCache
 @dataclass
 class HostDecodeBatch:
     """The CPU-requests of one (sub-)batch: where their new k/v go and what they attend to."""
-    block_tables: torch.Tensor   # int32 [B, max_blocks]
-    context_lens: torch.Tensor   # int32 [B]
-    slots: torch.Tensor          # int64 [B]
+
+    block_tables: torch.Tensor  # int32 [B, max_blocks]
+    context_lens: torch.Tensor  # int32 [B]
+    slots: torch.Tensor  # int64 [B]
 
     @property
     def size(self) -> int:
@@ -45,8 +47,9 @@ class HostAttention:
     """Decode attention of CPU-requests: q/k/v of the new token go down, the kernel appends k/v to the host
     pool and attends (GIL released), the output goes back up. Times every call for the fail-safe."""
 
-    def __init__(self, host: HostKVCache, scale: float, device: torch.device, num_threads: int | None,
-                 engine_cpu: int | None) -> None:
+    def __init__(
+        self, host: HostKVCache, scale: float, device: torch.device, num_threads: int | None, engine_cpu: int | None
+    ) -> None:
         """`num_threads`: the kernels' team (None: see `attention_threads`); `engine_cpu`: the CPU the
         kernels stay off."""
         self.host = host
@@ -72,18 +75,27 @@ class HostAttention:
         one = torch.ones(1, 1, dtype=torch.int32)
         self.kernels.paged_decode_attention(q, k_cache, v_cache, one - 1, one[0], self.scale)
 
-    def run(self, layer: int, batch: HostDecodeBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-            out: torch.Tensor) -> None:
+    def run(
+        self, layer: int, batch: HostDecodeBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
+    ) -> None:
         """q [B, Hq, D], k/v [B, Hkv, D] on the host (already copied down) -> attention output into `out`."""
         start = time.perf_counter()
         self.kernels.append_kv(k, v, self.host.k_caches[layer], self.host.v_caches[layer], batch.slots)
-        self.kernels.paged_decode_attention(q, self.host.k_caches[layer], self.host.v_caches[layer],
-                                            batch.block_tables, batch.context_lens, self.scale, out=out)
+        self.kernels.paged_decode_attention(
+            q,
+            self.host.k_caches[layer],
+            self.host.v_caches[layer],
+            batch.block_tables,
+            batch.context_lens,
+            self.scale,
+            out=out,
+        )
         self.seconds += time.perf_counter() - start
 
     def run_iteration(self, lanes: list[IterationLane], done: Flags, timeout_s: float) -> None:
         """Every layer of a pipelined iteration, each step once its lane's ready flag is set (see
         `Kernels.decode_iteration`)."""
-        seconds = self.kernels.decode_iteration(self.host.k_caches, self.host.v_caches, lanes, done, self.scale,
-                                                timeout_s)
+        seconds = self.kernels.decode_iteration(
+            self.host.k_caches, self.host.v_caches, lanes, done, self.scale, timeout_s
+        )
         self.seconds += float(seconds.sum())

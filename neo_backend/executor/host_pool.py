@@ -1,4 +1,5 @@
 """NEO's host KV pool: per-layer K/V blocks in host memory, on transparent huge pages."""
+
 from __future__ import annotations
 
 import ctypes
@@ -14,8 +15,8 @@ from ..errors import ConfigError, NeoError
 
 log = logging.getLogger("neo_backend")
 
-HUGE_PAGE_BYTES = 2 ** 21
-MADV_HUGEPAGE = 14   # Linux
+HUGE_PAGE_BYTES = 2**21
+MADV_HUGEPAGE = 14  # Linux
 
 
 class HostKVCache:
@@ -29,15 +30,23 @@ class HostKVCache:
         nbytes = 2 * cfg.num_layers * num_blocks * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
         available = host_available_bytes()
         if nbytes > 0.9 * available:
-            raise ConfigError(f"cpu_kv_cache_gb asks for {nbytes / 2**30:.1f} GiB of host memory but only "
-                              f"{available / 2**30:.1f} GiB is available; lower cpu_kv_cache_gb")
+            raise ConfigError(
+                f"cpu_kv_cache_gb asks for {nbytes / 2**30:.1f} GiB of host memory but only "
+                f"{available / 2**30:.1f} GiB is available; lower cpu_kv_cache_gb"
+            )
         start = time.monotonic()
         # Left uninitialized: the kernel reads only slots below a context length, all written before.
         self.k_caches = [huge_page_tensor(shape, dtype) for _ in range(cfg.num_layers)]
         self.v_caches = [huge_page_tensor(shape, dtype) for _ in range(cfg.num_layers)]
         self.num_blocks = num_blocks
-        log.info("host KV pool: %d blocks x %d tokens (%.2f GiB, transparent huge pages: %s) in %.1fs", num_blocks,
-                 block_size, nbytes / 2 ** 30, transparent_huge_page_mode(), time.monotonic() - start)
+        log.info(
+            "host KV pool: %d blocks x %d tokens (%.2f GiB, transparent huge pages: %s) in %.1fs",
+            num_blocks,
+            block_size,
+            nbytes / 2**30,
+            transparent_huge_page_mode(),
+            time.monotonic() - start,
+        )
 
 
 def huge_page_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -51,7 +60,7 @@ def huge_page_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor
     offset = -raw.data_ptr() % HUGE_PAGE_BYTES
     if sys.platform == "linux" and advised:
         ctypes.CDLL(None).madvise(ctypes.c_void_p(raw.data_ptr() + offset), ctypes.c_size_t(advised), MADV_HUGEPAGE)
-    return raw[offset:offset + nbytes].view(dtype).view(shape)
+    return raw[offset : offset + nbytes].view(dtype).view(shape)
 
 
 def transparent_huge_page_mode() -> str:
@@ -61,7 +70,7 @@ def transparent_huge_page_mode() -> str:
             text = f.read()
     except OSError:
         return "unavailable"
-    return text[text.index("[") + 1:text.index("]")] if "[" in text else text.strip()
+    return text[text.index("[") + 1 : text.index("]")] if "[" in text else text.strip()
 
 
 def host_available_bytes() -> int:
@@ -72,7 +81,9 @@ def host_available_bytes() -> int:
                 if line.startswith("MemAvailable:"):
                     return int(line.split()[1]) * 1024
     except OSError as e:
-        raise NeoError(f"cannot read /proc/meminfo ({e}); neo-triton sizes its KV pools from it and runs on "
-                       "Linux only") from e
-    raise NeoError("/proc/meminfo has no MemAvailable line (Linux 3.14 or later has one); neo-triton sizes its "
-                   "KV pools from it")
+        raise NeoError(
+            f"cannot read /proc/meminfo ({e}); neo-triton sizes its KV pools from it and runs on Linux only"
+        ) from e
+    raise NeoError(
+        "/proc/meminfo has no MemAvailable line (Linux 3.14 or later has one); neo-triton sizes its KV pools from it"
+    )

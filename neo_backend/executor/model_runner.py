@@ -1,27 +1,27 @@
 """Owns the model and the KV pools; carries out a scheduled batch's swaps, turns it into tensors, runs it, samples."""
+
 from __future__ import annotations
 
 import contextlib
 import logging
 import time
 from dataclasses import dataclass
-from typing import ContextManager
 
 import torch
 
 from ..config import EngineConfig, ModelConfig
-from ..cpu.abi import SUPPORTED_HEAD_DIMS
-from .host_attention import HostAttention, HostDecodeBatch
-from .cuda_graphs import DecodeGraphs, DecodeInputs, LaneGraphs
-from ..errors import ConfigError
-from .gpu_partition import sm_partition
-from .host_pool import HostKVCache, host_available_bytes
-from ..layers.attention import AttentionMetadata, PrefillChunk
-from ..layers.sampler import SampleResult, Sampler
-from ..models.loader import ModelSource, load_model
-from .pipeline import PipelinedExecutor, SubBatch
 from ..core.scheduler_output import SchedulerOutput, SwapOut
 from ..core.sequence import Sequence
+from ..cpu.abi import SUPPORTED_HEAD_DIMS
+from ..errors import ConfigError
+from ..layers.attention import AttentionMetadata, PrefillChunk
+from ..layers.sampler import Sampler, SampleResult
+from ..models.loader import ModelSource, load_model
+from .cuda_graphs import DecodeGraphs, DecodeInputs, LaneGraphs
+from .gpu_partition import sm_partition
+from .host_attention import HostAttention, HostDecodeBatch
+from .host_pool import HostKVCache, host_available_bytes
+from .pipeline import PipelinedExecutor, SubBatch
 from .swapper import BlockSwapper
 
 log = logging.getLogger("neo_backend")
@@ -45,8 +45,14 @@ def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_cfg: ModelConfig, source: ModelSource, max_model_len: int,
-                 eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_cfg: ModelConfig,
+        source: ModelSource,
+        max_model_len: int,
+        eos_token_ids: tuple[int, ...],
+    ) -> None:
         self.config = config
         self.model_cfg = model_cfg
         self.device = resolve_device(config)
@@ -60,21 +66,32 @@ class ModelRunner:
             self.num_gpu_blocks = config.num_gpu_blocks or self._profile_num_blocks()
             # one block beyond the pool: the scratch block that padded CUDA-graph rows write to
             self.k_caches, self.v_caches = self._allocate_kv(self.num_gpu_blocks + 1)
-            log.info("device KV pool: %d blocks x %d tokens (%.2f GiB, %s on %s)", self.num_gpu_blocks,
-                     self.block_size, self.num_gpu_blocks * self.block_bytes / 2 ** 30, self.dtype, self.device)
+            log.info(
+                "device KV pool: %d blocks x %d tokens (%.2f GiB, %s on %s)",
+                self.num_gpu_blocks,
+                self.block_size,
+                self.num_gpu_blocks * self.block_bytes / 2**30,
+                self.dtype,
+                self.device,
+            )
             self.decode_graphs: DecodeGraphs | None = None
             self.max_blocks_per_seq = (max_model_len + self.block_size - 1) // self.block_size
             if self.device.type == "cuda" and not config.enforce_eager:
                 self.decode_graphs = DecodeGraphs(self.model, self._decode_inputs())
             self._init_offload(config, model_cfg)
 
-    def device_scope(self) -> ContextManager:
+    def device_scope(self) -> contextlib.AbstractContextManager:
         """Where every GPU operation of the engine runs: a stream of the SM partition, or the current one."""
         return torch.cuda.stream(self.compute_stream) if self.compute_stream else contextlib.nullcontext()
 
     def _decode_inputs(self) -> DecodeInputs:
-        return DecodeInputs(self.device, self.config.max_num_seqs, self.max_blocks_per_seq,
-                            scratch_block=self.num_gpu_blocks, block_size=self.block_size)
+        return DecodeInputs(
+            self.device,
+            self.config.max_num_seqs,
+            self.max_blocks_per_seq,
+            scratch_block=self.num_gpu_blocks,
+            block_size=self.block_size,
+        )
 
     def _init_offload(self, config: EngineConfig, model_cfg: ModelConfig) -> None:
         """The host side of NEO: host KV pool, swapper, CPU attention and the pipelined executor. Without it
@@ -88,20 +105,29 @@ class ModelRunner:
         if config.offload_policy == "never":
             return
         if model_cfg.head_dim not in SUPPORTED_HEAD_DIMS:
-            log.warning("head_dim %d has no CPU attention kernel (supported: %s); offloading is off",
-                        model_cfg.head_dim, SUPPORTED_HEAD_DIMS)
+            log.warning(
+                "head_dim %d has no CPU attention kernel (supported: %s); offloading is off",
+                model_cfg.head_dim,
+                SUPPORTED_HEAD_DIMS,
+            )
             return
         if config.offload_policy == "auto" and self.device.type == "cpu" and config.num_gpu_blocks is None:
             log.info("offload_policy auto on a CPU device with no num_gpu_blocks limit: nothing to offload")
             return
-        num_cpu_blocks = int(config.cpu_kv_cache_gb * 2 ** 30) // self.block_bytes
+        num_cpu_blocks = int(config.cpu_kv_cache_gb * 2**30) // self.block_bytes
         if num_cpu_blocks == 0:
             return
         self.host_cache = HostKVCache(model_cfg, num_cpu_blocks, self.block_size, self.dtype)
-        self.swapper = BlockSwapper(self.k_caches, self.v_caches, self.host_cache, self.device,
-                                    self.partition.stream() if self.partition else None)
-        self.host_attention = HostAttention(self.host_cache, model_cfg.head_dim ** -0.5, self.device,
-                                            config.cpu_attention_threads, config.engine_cpu)
+        self.swapper = BlockSwapper(
+            self.k_caches,
+            self.v_caches,
+            self.host_cache,
+            self.device,
+            self.partition.stream() if self.partition else None,
+        )
+        self.host_attention = HostAttention(
+            self.host_cache, model_cfg.head_dim**-0.5, self.device, config.cpu_attention_threads, config.engine_cpu
+        )
         self.pipeline = PipelinedExecutor(self.host_attention, self._capture_lane_graphs())
         self.offload_policy = config.offload_policy
 
@@ -110,10 +136,13 @@ class ModelRunner:
         if self.decode_graphs is None:
             return None
         start = time.monotonic()
-        lanes = [LaneGraphs(self.model, self._decode_inputs(), (False, True)),
-                 LaneGraphs(self.model, self._decode_inputs(), (True,))]
-        log.info("captured %d pipeline segment graphs in %.1fs", sum(len(g.graphs) for g in lanes),
-                 time.monotonic() - start)
+        lanes = [
+            LaneGraphs(self.model, self._decode_inputs(), (False, True)),
+            LaneGraphs(self.model, self._decode_inputs(), (True,)),
+        ]
+        log.info(
+            "captured %d pipeline segment graphs in %.1fs", sum(len(g.graphs) for g in lanes), time.monotonic() - start
+        )
         return lanes
 
     @property
@@ -151,11 +180,13 @@ class ModelRunner:
             table = torch.arange(probe_blocks, dtype=torch.int32, device=self.device)
             meta = AttentionMetadata(
                 slot_mapping=torch.arange(num_tokens, device=self.device),
-                prefills=[PrefillChunk(0, num_tokens, 0, table)], num_prefill_tokens=num_tokens,
+                prefills=[PrefillChunk(0, num_tokens, 0, table)],
+                num_prefill_tokens=num_tokens,
                 decode_block_tables=torch.zeros(0, 1, dtype=torch.int32, device=self.device),
-                decode_context_lens=torch.zeros(0, dtype=torch.int32, device=self.device))
+                decode_context_lens=torch.zeros(0, dtype=torch.int32, device=self.device),
+            )
             hidden = self.model(ids, torch.arange(num_tokens, device=self.device), meta)
-            self.model.compute_logits(hidden[-min(num_tokens, self.config.max_num_seqs):])
+            self.model.compute_logits(hidden[-min(num_tokens, self.config.max_num_seqs) :])
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
         self._allocate_kv(0)
@@ -164,11 +195,17 @@ class ModelRunner:
         non_torch = total - free - torch.cuda.memory_reserved()
         budget = int(total * self.config.gpu_memory_utilization) - peak - non_torch
         if budget < self.block_bytes:
-            raise ConfigError(f"no device memory left for the KV cache (weights + activations peak "
-                              f"{peak / 2**30:.1f} GiB of {total / 2**30:.1f} GiB); raise gpu_memory_utilization "
-                              f"or lower max_num_batched_tokens")
-        log.info("memory profile: peak %.2f GiB, other %.2f GiB, KV budget %.2f GiB", peak / 2 ** 30,
-                 non_torch / 2 ** 30, budget / 2 ** 30)
+            raise ConfigError(
+                f"no device memory left for the KV cache (weights + activations peak "
+                f"{peak / 2**30:.1f} GiB of {total / 2**30:.1f} GiB); raise gpu_memory_utilization "
+                f"or lower max_num_batched_tokens"
+            )
+        log.info(
+            "memory profile: peak %.2f GiB, other %.2f GiB, KV budget %.2f GiB",
+            peak / 2**30,
+            non_torch / 2**30,
+            budget / 2**30,
+        )
         return budget // self.block_bytes
 
     # Swaps: the scheduler decides them, the runner carries them out and reports which swap-outs landed.
@@ -218,8 +255,11 @@ class ModelRunner:
         else:
             step = self.prepare(batch.prefills, batch.gpu_decodes, [])
             sub = step.sub
-            if self.decode_graphs is not None and not batch.prefills and \
-                    self.decode_graphs.can_run(len(batch.gpu_decodes)):
+            if (
+                self.decode_graphs is not None
+                and not batch.prefills
+                and self.decode_graphs.can_run(len(batch.gpu_decodes))
+            ):
                 hidden = self.decode_graphs.run(sub.input_ids, sub.positions, sub.meta)
             else:
                 hidden = self.model(sub.input_ids, sub.positions, sub.meta)[step.sample_rows]
@@ -228,8 +268,9 @@ class ModelRunner:
             return [], None
         return sample_seqs, self.sampler(self.model.compute_logits(hidden), sample_seqs)
 
-    def prepare(self, prefills: list[tuple[Sequence, int]], gpu_decodes: list[Sequence],
-                cpu_decodes: list[Sequence]) -> PreparedStep:
+    def prepare(
+        self, prefills: list[tuple[Sequence, int]], gpu_decodes: list[Sequence], cpu_decodes: list[Sequence]
+    ) -> PreparedStep:
         """Flatten one (sub-)batch into tensors: tokens laid out as [prefill chunks | GPU decodes | CPU decodes]."""
         bs = self.block_size
         ids: list[int] = []
@@ -241,7 +282,7 @@ class ModelRunner:
         for seq, n in prefills:
             start = seq.num_computed_tokens
             chunks.append(PrefillChunk(len(ids), n, start, self._tensor(seq.block_table, torch.int32)))
-            ids.extend(seq.token_ids[start:start + n])
+            ids.extend(seq.token_ids[start : start + n])
             pos.extend(range(start, start + n))
             slots.extend(_slot(seq, p, bs) for p in range(start, start + n))
             if start + n == len(seq.token_ids):
@@ -256,15 +297,19 @@ class ModelRunner:
         sample_rows.extend(range(num_prefill, num_prefill + len(decodes)))
         sample_seqs.extend(decodes)
         meta = AttentionMetadata(
-            slot_mapping=self._tensor(slots, torch.long), prefills=chunks, num_prefill_tokens=num_prefill,
+            slot_mapping=self._tensor(slots, torch.long),
+            prefills=chunks,
+            num_prefill_tokens=num_prefill,
             decode_block_tables=self._block_tables(gpu_decodes, self.device),
-            decode_context_lens=self._tensor([len(s.token_ids) for s in gpu_decodes], torch.int32))
+            decode_context_lens=self._tensor([len(s.token_ids) for s in gpu_decodes], torch.int32),
+        )
         host_batch = None
         if cpu_decodes:
             host_batch = HostDecodeBatch(
                 block_tables=self._block_tables(cpu_decodes, torch.device("cpu")),
                 context_lens=torch.tensor([len(s.token_ids) for s in cpu_decodes], dtype=torch.int32),
-                slots=torch.tensor([_slot(s, len(s.token_ids) - 1, bs) for s in cpu_decodes], dtype=torch.long))
+                slots=torch.tensor([_slot(s, len(s.token_ids) - 1, bs) for s in cpu_decodes], dtype=torch.long),
+            )
         sub = SubBatch(self._tensor(ids, torch.long), self._tensor(pos, torch.long), meta, host_batch)
         return PreparedStep(sub, self._tensor(sample_rows, torch.long), sample_seqs)
 

@@ -12,6 +12,7 @@ it, by which time the device has the other sub-batch's work queued. With one sub
 sequential mode. A decode-only sub-batch replays captured segment graphs (`GraphLane`); one that carries
 prefills, or runs without CUDA graphs, launches its kernels eagerly (`EagerLane`).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -21,10 +22,10 @@ from dataclasses import dataclass
 import torch
 
 from ..cpu.handoff import HAND_OFF_SPIN_S, Flags, IterationLane
-from .host_attention import HostAttention, HostDecodeBatch
-from .cuda_graphs import LaneGraphs
 from ..errors import KernelError
 from ..layers.attention import AttentionMetadata
+from .cuda_graphs import LaneGraphs
+from .host_attention import HostAttention, HostDecodeBatch
 from .segments import HostHandOff, LayerSegments
 
 
@@ -62,8 +63,9 @@ class EagerLane(LayerSegments):
         q, out = (torch.empty(rows, cfg.num_heads, cfg.head_dim, dtype=dtype, pin_memory=pin) for _ in range(2))
         k, v = (torch.empty(rows, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, pin_memory=pin) for _ in range(2))
         ready = Flags(len(model.layers), spin_seconds(self.device), pin=pin)
-        return HostHandOff(q, k, v, out, sub.meta.num_device_tokens, ready,
-                           torch.ones(1, dtype=torch.int64, device=self.device))
+        return HostHandOff(
+            q, k, v, out, sub.meta.num_device_tokens, ready, torch.ones(1, dtype=torch.int64, device=self.device)
+        )
 
     @property
     def ready(self) -> Flags:
@@ -71,7 +73,7 @@ class EagerLane(LayerSegments):
 
     def saved(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.host is not None:
-            self.attn_out[self.host.first_row:] = self.host.out.to(self.device, non_blocking=True)
+            self.attn_out[self.host.first_row :] = self.host.out.to(self.device, non_blocking=True)
         return self.attn_out, self.residual
 
     def save(self, attn: torch.Tensor, residual: torch.Tensor) -> None:
@@ -105,11 +107,19 @@ class GraphLane:
     def host_lane(self) -> IterationLane:
         rows = slice(self.num_device, self.rows)
         g, b = self.graphs, self.sub.host_batch
-        return IterationLane(g.host_q[rows], g.host_k[rows], g.host_v[rows], g.host_out[rows], b.block_tables,
-                             b.context_lens, b.slots, g.ready)
+        return IterationLane(
+            g.host_q[rows],
+            g.host_k[rows],
+            g.host_v[rows],
+            g.host_out[rows],
+            b.block_tables,
+            b.context_lens,
+            b.slots,
+            g.ready,
+        )
 
     def final(self) -> torch.Tensor:
-        return self.graphs.final[:self.rows]
+        return self.graphs.final[: self.rows]
 
 
 class PipelinedExecutor:
@@ -128,8 +138,9 @@ class PipelinedExecutor:
     def __init__(self, host_attention: HostAttention, lane_graphs: list[LaneGraphs] | None) -> None:
         self.host_attention = host_attention
         self.lane_graphs = lane_graphs
-        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="neo-cpu-attention",
-                                         initializer=host_attention.enter_thread)
+        self.worker = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="neo-cpu-attention", initializer=host_attention.enter_thread
+        )
         self.worker.submit(int).result()  # the worker starts now, not in the first iteration
         self.done = Flags(0, spin_seconds(host_attention.device))
 

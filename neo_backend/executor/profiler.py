@@ -1,4 +1,5 @@
 """Start-up profiling that fits the performance model, cached on disk by model, device and knobs."""
+
 from __future__ import annotations
 
 import hashlib
@@ -8,11 +9,11 @@ from dataclasses import asdict
 
 import torch
 
+from ..core.perf_model import PerfModel, fit_plane, load_cached, median_time, save
 from ..cpu import library
-from .host_attention import HostDecodeBatch
 from ..layers.attention import AttentionMetadata
 from ..layers.paged_decode import decode_attention
-from ..core.perf_model import PerfModel, fit_plane, load_cached, median_time, save
+from .host_attention import HostDecodeBatch
 
 log = logging.getLogger("neo_backend")
 
@@ -23,11 +24,18 @@ DENSE_PROFILE_TOKENS = (1, 8, 16, 32, 64, 128, 256, 512, 1024)  # and the iterat
 def load_or_profile(runner) -> PerfModel:
     cfg = runner.model_cfg
     device_name = torch.cuda.get_device_name(runner.device) if runner.device.type == "cuda" else "cpu"
-    key_fields = {"model": asdict(cfg), "dtype": str(runner.dtype), "device": device_name, "threads": runner.host_attention.num_threads,
-                  "block_size": runner.block_size, "max_tokens": runner.config.max_num_batched_tokens,
-                  "isa": library.active_isa(runner.host_attention.kernels.lib),
-                  "cuda_graphs": runner.decode_graphs is not None, "gpu_sm_count": runner.config.gpu_sm_count,
-                  "version": 4}
+    key_fields = {
+        "model": asdict(cfg),
+        "dtype": str(runner.dtype),
+        "device": device_name,
+        "threads": runner.host_attention.num_threads,
+        "block_size": runner.block_size,
+        "max_tokens": runner.config.max_num_batched_tokens,
+        "isa": library.active_isa(runner.host_attention.kernels.lib),
+        "cuda_graphs": runner.decode_graphs is not None,
+        "gpu_sm_count": runner.config.gpu_sm_count,
+        "version": 4,
+    }
     key = hashlib.sha256(json.dumps(key_fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
     path = runner.config.cache_path / "profiles" / f"{key}.json"
     cached = load_cached(path)
@@ -69,9 +77,13 @@ def _dense_forward(runner, tokens: int) -> None:
     device = runner.device
     ids = torch.zeros(tokens, dtype=torch.long, device=device)
     table = (torch.arange(tokens, device=device, dtype=torch.int32) // runner.block_size).view(tokens, 1)
-    meta = AttentionMetadata(slot_mapping=torch.arange(tokens, device=device), prefills=[], num_prefill_tokens=0,
-                             decode_block_tables=table,
-                             decode_context_lens=torch.ones(tokens, dtype=torch.int32, device=device))
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(tokens, device=device),
+        prefills=[],
+        num_prefill_tokens=0,
+        decode_block_tables=table,
+        decode_context_lens=torch.ones(tokens, dtype=torch.int32, device=device),
+    )
     graphs = runner.decode_graphs
     if graphs is not None and graphs.can_run(tokens):  # what decode steps of this size run through
         hidden = graphs.run(ids, ids, meta)
@@ -93,7 +105,7 @@ def _gpu_attention_per_token(runner, sync) -> float:
         q = torch.randn(batch, cfg.num_heads, cfg.head_dim, dtype=runner.dtype, device=device)
         tables = _random_tables(batch, context, bs, runner.num_gpu_blocks, device)
         lens = torch.full((batch,), context, dtype=torch.int32, device=device)
-        t = median_time(lambda: decode_attention(q, k, v, tables, lens, cfg.head_dim ** -0.5), sync)
+        t = median_time(lambda: decode_attention(q, k, v, tables, lens, cfg.head_dim**-0.5), sync)
         points.append((batch * context, t))
     (small_tokens, small_t), (large_tokens, large_t) = points
     slope = (large_t - small_t) / (large_tokens - small_tokens)
@@ -113,8 +125,7 @@ def _cpu_attention_fit(runner) -> tuple[float, float, float]:
         q = torch.randn(batch, cfg.num_heads, cfg.head_dim).to(dtype)
         k = torch.randn(batch, cfg.num_kv_heads, cfg.head_dim).to(dtype)
         tables = _random_tables(batch, context, bs, host_cache.num_blocks, "cpu")
-        decode = HostDecodeBatch(tables, torch.full((batch,), context, dtype=torch.int32),
-                                 tables[:, -1].long() * bs)
+        decode = HostDecodeBatch(tables, torch.full((batch,), context, dtype=torch.int32), tables[:, -1].long() * bs)
         out = torch.empty_like(q)
 
         def iteration() -> None:

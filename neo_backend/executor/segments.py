@@ -5,6 +5,7 @@ L < num_layers, the input half of layer L, its device attention and the hand-off
 num_layers ends with the final norm. An eager lane and a lane's captured graphs (cuda_graphs.py) run this one
 sequence of kernels; they differ only in where the tensors that outlive a segment are kept.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -34,15 +35,16 @@ class HostHandOff:
 
     def send(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         for dst, src in ((self.q, q), (self.k, k), (self.v, v)):
-            dst.copy_(src[self.first_row:], non_blocking=True)
+            dst.copy_(src[self.first_row :], non_blocking=True)
         self.ready.set_in_order(layer_idx, self.one)
 
 
 class LayerSegments(ABC):
     """One lane's segments over fixed inputs; subclasses keep the attention output and residual between them."""
 
-    def __init__(self, model, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                 host: HostHandOff | None) -> None:
+    def __init__(
+        self, model, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, host: HostHandOff | None
+    ) -> None:
         self.model = model
         self.input_ids, self.positions, self.meta = input_ids, positions, meta
         self.host = host

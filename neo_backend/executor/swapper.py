@@ -6,6 +6,7 @@ a later step once the copy has landed, or at once where the scheduler needs its 
 gathers host blocks into pinned staging, copies them up and scatters them into the device pool on the copy
 stream; the compute stream waits on its event before using them.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -20,7 +21,7 @@ from .host_pool import HostKVCache
 class _PendingSwapOut:
     request_id: str
     host_blocks: torch.Tensor
-    staging: list[torch.Tensor]            # per layer: [2, n, block_size, Hkv, D] on the host
+    staging: list[torch.Tensor]  # per layer: [2, n, block_size, Hkv, D] on the host
     done: torch.cuda.Event | None
     release: list[int] = field(default_factory=list)  # device blocks to free once the copy has finished
 
@@ -28,8 +29,14 @@ class _PendingSwapOut:
 class BlockSwapper:
     """Copies KV blocks between the device pool (`device_k`/`device_v`, per layer) and the host pool."""
 
-    def __init__(self, device_k: list[torch.Tensor], device_v: list[torch.Tensor], host: HostKVCache,
-                 device: torch.device, stream: torch.cuda.Stream | None = None) -> None:
+    def __init__(
+        self,
+        device_k: list[torch.Tensor],
+        device_v: list[torch.Tensor],
+        host: HostKVCache,
+        device: torch.device,
+        stream: torch.cuda.Stream | None = None,
+    ) -> None:
         """`stream`: where the copies run on CUDA (default: a new stream)."""
         self.device_k, self.device_v, self.host = device_k, device_v, host
         self.device = device
@@ -48,8 +55,9 @@ class BlockSwapper:
                 host.copy_(gathered, non_blocking=True)
                 staging.append(host)
             done = self._record()
-        self._pending.append(_PendingSwapOut(request_id, torch.tensor(host_blocks, dtype=torch.long), staging, done,
-                                             list(device_blocks)))
+        self._pending.append(
+            _PendingSwapOut(request_id, torch.tensor(host_blocks, dtype=torch.long), staging, done, list(device_blocks))
+        )
 
     def in_transit(self, request_id: str) -> bool:
         return any(swap.request_id == request_id for swap in self._pending)
@@ -79,8 +87,9 @@ class BlockSwapper:
             dst = self._device_ids(device_blocks)
             for k, v, hk, hv in zip(self.device_k, self.device_v, self.host.k_caches, self.host.v_caches):
                 # gathered straight into pinned staging: one host copy, on the launching thread's clock
-                staged = torch.empty((2, len(host_blocks), *hk.shape[1:]), dtype=hk.dtype,
-                                     pin_memory=self.stream is not None)
+                staged = torch.empty(
+                    (2, len(host_blocks), *hk.shape[1:]), dtype=hk.dtype, pin_memory=self.stream is not None
+                )
                 torch.index_select(hk, 0, src, out=staged[0])
                 torch.index_select(hv, 0, src, out=staged[1])
                 up = staged.to(self.device, non_blocking=True)
@@ -105,8 +114,9 @@ class BlockSwapper:
     def _device_ids(self, ids: list[int]) -> torch.Tensor:
         """Block ids on the device, copied on the current stream without a wait: a blocking copy on the copy
         stream would hold the scheduler until every swap queued before had landed."""
-        return torch.tensor(ids, dtype=torch.long, pin_memory=self.stream is not None).to(self.device,
-                                                                                          non_blocking=True)
+        return torch.tensor(ids, dtype=torch.long, pin_memory=self.stream is not None).to(
+            self.device, non_blocking=True
+        )
 
     def _record(self) -> torch.cuda.Event | None:
         if self.stream is None:

@@ -6,6 +6,7 @@ plus themselves; device decodes use the paged decode kernel (fused Triton kernel
 reference elsewhere). Host decodes (NEO's CPU-requests) ride at the end of a sub-batch; their rows of the
 output are left for the pipeline (pipeline.py) to fill from the CPU kernel.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,19 +19,19 @@ from . import paged_decode
 
 @dataclass
 class PrefillChunk:
-    token_start: int        # offset of the chunk in the step's flat token list
+    token_start: int  # offset of the chunk in the step's flat token list
     num_tokens: int
-    context_start: int      # tokens of this sequence already in the cache before the chunk
+    context_start: int  # tokens of this sequence already in the cache before the chunk
     block_table: torch.Tensor  # int32 [num_blocks] on the device
 
 
 @dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor                 # int64 [num_device_tokens]: pool slot of each device token's k/v
+    slot_mapping: torch.Tensor  # int64 [num_device_tokens]: pool slot of each device token's k/v
     prefills: list[PrefillChunk]
     num_prefill_tokens: int
-    decode_block_tables: torch.Tensor          # int32 [num_decodes, max_blocks]
-    decode_context_lens: torch.Tensor          # int32 [num_decodes], including the new token
+    decode_block_tables: torch.Tensor  # int32 [num_decodes, max_blocks]
+    decode_context_lens: torch.Tensor  # int32 [num_decodes], including the new token
 
     @property
     def num_decodes(self) -> int:
@@ -48,7 +49,7 @@ class PagedAttention(torch.nn.Module):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim**-0.5
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
@@ -64,8 +65,15 @@ class PagedAttention(torch.nn.Module):
             out[span] = self._prefill(q[span], k[span], v[span], chunk)
         if meta.num_decodes:
             span = slice(meta.num_prefill_tokens, num_dev)
-            paged_decode.decode_attention(q[span], self.k_cache, self.v_cache, meta.decode_block_tables,
-                                          meta.decode_context_lens, self.scale, out=out[span])
+            paged_decode.decode_attention(
+                q[span],
+                self.k_cache,
+                self.v_cache,
+                meta.decode_block_tables,
+                meta.decode_context_lens,
+                self.scale,
+                out=out[span],
+            )
         return out
 
     def _store(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:

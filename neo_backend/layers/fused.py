@@ -4,6 +4,7 @@ Eager PyTorch spends about ten kernels on each of these (casts, reductions, `cat
 every kernel is launch-bound, so fusing them takes ~40 kernels out of each layer. Each kernel computes in
 fp32 like its PyTorch reference in the layer module, which is what runs on CPU and what the tests compare.
 """
+
 from __future__ import annotations
 
 import torch
@@ -19,8 +20,9 @@ def available(x: torch.Tensor) -> bool:
     return x.is_cuda and triton is not None
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual) * weight, x + residual); the sum is rounded to x's dtype first, as in PyTorch."""
     x = x.contiguous()
     rows, cols = x.shape
@@ -28,22 +30,45 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     new_residual = torch.empty_like(x) if residual is not None else x
     res = residual.contiguous() if residual is not None else x
     block = triton.next_power_of_2(cols)
-    _add_rms_norm_kernel[(rows,)](x, res, weight, out, new_residual, cols, eps, HAS_RESIDUAL=residual is not None,
-                                  BLOCK=block, num_warps=min(16, max(4, block // 512)))
+    _add_rms_norm_kernel[(rows,)](
+        x,
+        res,
+        weight,
+        out,
+        new_residual,
+        cols,
+        eps,
+        HAS_RESIDUAL=residual is not None,
+        BLOCK=block,
+        num_warps=min(16, max(4, block // 512)),
+    )
     return out, new_residual
 
 
-def rotary_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-            ) -> None:
+def rotary_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotate-half RoPE applied in place to q [T, Hq, D] and k [T, Hkv, D] (rows may be strided views)."""
     tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     if tokens == 0:
         return
-    _rotary_kernel[(tokens,)](positions, q, k, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-                              cos.stride(0), HQ=num_q_heads, HK=num_kv_heads,
-                              HQ_PAD=triton.next_power_of_2(num_q_heads), HK_PAD=triton.next_power_of_2(num_kv_heads),
-                              HALF=head_dim // 2, num_warps=4)
+    _rotary_kernel[(tokens,)](
+        positions,
+        q,
+        k,
+        cos,
+        sin,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        cos.stride(0),
+        HQ=num_q_heads,
+        HK=num_kv_heads,
+        HQ_PAD=triton.next_power_of_2(num_q_heads),
+        HK_PAD=triton.next_power_of_2(num_kv_heads),
+        HALF=head_dim // 2,
+        num_warps=4,
+    )
 
 
 def rotary_supported(head_dim: int) -> bool:
@@ -63,9 +88,11 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 if triton is not None:
+
     @triton.jit
-    def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, cols, eps,
-                             HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    def _add_rms_norm_kernel(
+        x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, cols, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr
+    ):
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < cols
@@ -79,8 +106,7 @@ if triton is not None:
         tl.store(out_ptr + row * cols + offs, (x * inv_rms * w).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _rotate_heads(ptr, stride_h, cos, sin, NUM_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
-                      HALF: tl.constexpr):
+    def _rotate_heads(ptr, stride_h, cos, sin, NUM_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HALF: tl.constexpr):
         heads = tl.arange(0, HEADS_PAD)
         dims = tl.arange(0, HALF)
         mask = (heads < NUM_HEADS)[:, None]
@@ -91,9 +117,23 @@ if triton is not None:
         tl.store(lo + HALF, (x2 * cos + x1 * sin).to(ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _rotary_kernel(pos_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr, stride_qt, stride_qh, stride_kt, stride_kh,
-                       stride_cs, HQ: tl.constexpr, HK: tl.constexpr, HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr,
-                       HALF: tl.constexpr):
+    def _rotary_kernel(
+        pos_ptr,
+        q_ptr,
+        k_ptr,
+        cos_ptr,
+        sin_ptr,
+        stride_qt,
+        stride_qh,
+        stride_kt,
+        stride_kh,
+        stride_cs,
+        HQ: tl.constexpr,
+        HK: tl.constexpr,
+        HQ_PAD: tl.constexpr,
+        HK_PAD: tl.constexpr,
+        HALF: tl.constexpr,
+    ):
         token = tl.program_id(0).to(tl.int64)
         pos = tl.load(pos_ptr + token)
         dims = tl.arange(0, HALF)

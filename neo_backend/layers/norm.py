@@ -10,16 +10,18 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Normalize `x` (or `x + residual`, returning the sum as the new residual), in fp32."""
         norm = fused.add_rms_norm if fused.available(x) else add_rms_norm_reference
         out, summed = norm(x, residual, self.weight, self.eps)
         return out if residual is None else (out, summed)
 
 
-def add_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm_reference(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     if residual is not None:
         x = x + residual
     x32 = x.float()

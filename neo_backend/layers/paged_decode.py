@@ -3,6 +3,7 @@
 On CUDA this is a split-K Triton kernel (no gather of the context into a dense buffer) and a merge kernel;
 elsewhere a gather + SDPA reference, which is also what the kernels are tested against.
 """
+
 from __future__ import annotations
 
 import torch
@@ -17,8 +18,15 @@ except ImportError:  # CPU-only installs have no Triton compiler
 from . import fused
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     context_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """q [B, Hq, D]; caches [num_blocks, block_size, Hkv, D]; block_tables int32 [B, max_blocks];
     context_lens int32 [B] (including the current token) -> [B, Hq, D], written into `out` when given."""
     if fused.available(q):
@@ -40,8 +48,13 @@ def decode_attention_reference(q, k_cache, v_cache, block_tables, context_lens, 
     k = k.masked_fill(~mask[:, :, None, None], 0)  # slots past a context may hold anything, NaN included
     v = v.masked_fill(~mask[:, :, None, None], 0)
     out = F.scaled_dot_product_attention(
-        q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None, None, :], scale=scale,
-        enable_gqa=q.shape[1] != k.shape[2])
+        q.unsqueeze(2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=mask[:, None, None, :],
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[2],
+    )
     return out.squeeze(2)
 
 
@@ -69,27 +82,78 @@ def _decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, out) 
     else:
         partial = out
     _paged_decode_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, out, partial, scale,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        TOKENS=tokens_per_iter, SPLIT_TOKENS=split_tokens, SPLIT=num_splits > 1,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=NUM_WARPS,
-        num_stages=NUM_STAGES)
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        out,
+        partial,
+        scale,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        TOKENS=tokens_per_iter,
+        SPLIT_TOKENS=split_tokens,
+        SPLIT=num_splits > 1,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES,
+    )
     if num_splits > 1:
         _merge_splits_kernel[(batch, num_heads)](
-            partial, context_lens, out, out.stride(0), out.stride(1), num_splits,
-            SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, SPLIT_TOKENS=split_tokens, num_warps=4)
+            partial,
+            context_lens,
+            out,
+            out.stride(0),
+            out.stride(1),
+            num_splits,
+            SPLITS_PAD=triton.next_power_of_2(num_splits),
+            HEAD_DIM=head_dim,
+            SPLIT_TOKENS=split_tokens,
+            num_warps=4,
+        )
     return out
 
 
 if triton is not None:
+
     @triton.jit
-    def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, partial_ptr, scale,
-                             stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_tb, stride_ob, stride_oh,
-                             GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                             BLOCK_SIZE: tl.constexpr, TOKENS: tl.constexpr, SPLIT_TOKENS: tl.constexpr,
-                             SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    def _paged_decode_kernel(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        tables_ptr,
+        lens_ptr,
+        out_ptr,
+        partial_ptr,
+        scale,
+        stride_qb,
+        stride_qh,
+        stride_kb,
+        stride_kt,
+        stride_kh,
+        stride_tb,
+        stride_ob,
+        stride_oh,
+        GROUP: tl.constexpr,
+        GROUP_PAD: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        TOKENS: tl.constexpr,
+        SPLIT_TOKENS: tl.constexpr,
+        SPLIT: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+    ):
         """One program = all query heads of one KV head of one sequence over one chunk of its context, with an
         online softmax. Split: writes (unnormalized output, max, sum) per head for the merge kernel."""
         seq = tl.program_id(0)
@@ -103,8 +167,9 @@ if triton is not None:
         head_ok = heads < GROUP
         live = head_ok & (begin < ctx_len)  # chunks past the context store nothing; the merge skips them
         q_heads = kv_head * GROUP + heads
-        q = tl.load(q_ptr + seq * stride_qb + q_heads[:, None] * stride_qh + dims[None, :], mask=head_ok[:, None],
-                    other=0.0)
+        q = tl.load(
+            q_ptr + seq * stride_qb + q_heads[:, None] * stride_qh + dims[None, :], mask=head_ok[:, None], other=0.0
+        )
         m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         denom = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
@@ -135,8 +200,17 @@ if triton is not None:
             tl.store(out_ptr + o_offs, (acc / denom[:, None]).to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
 
     @triton.jit
-    def _merge_splits_kernel(partial_ptr, lens_ptr, out_ptr, stride_ob, stride_oh, num_splits,
-                             SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT_TOKENS: tl.constexpr):
+    def _merge_splits_kernel(
+        partial_ptr,
+        lens_ptr,
+        out_ptr,
+        stride_ob,
+        stride_oh,
+        num_splits,
+        SPLITS_PAD: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        SPLIT_TOKENS: tl.constexpr,
+    ):
         """Log-sum-exp merge of one (sequence, query head)'s chunk results; chunks past the context are skipped."""
         seq = tl.program_id(0)
         head = tl.program_id(1)

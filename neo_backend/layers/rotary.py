@@ -1,4 +1,5 @@
 """Rotary position embedding (rotate-half convention, as in HF Llama), with llama3 and linear scaling."""
+
 import math
 
 import torch
@@ -28,8 +29,9 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor
         scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
         mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
         return torch.where(mid, smoothed, scaled)
-    raise ModelLoadError(f"the model's rope_scaling type {kind!r} is not supported (supported: default, linear, "
-                         "llama3)")
+    raise ModelLoadError(
+        f"the model's rope_scaling type {kind!r} is not supported (supported: default, linear, llama3)"
+    )
 
 
 class RotaryEmbedding(nn.Module):

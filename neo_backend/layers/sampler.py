@@ -1,4 +1,5 @@
 """Per-request sampling over a batch of logits: penalties, min_tokens, temperature, top-k, top-p, seeds."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,9 +12,9 @@ from ..core.sequence import Sequence
 @dataclass
 class SampleResult:
     token_ids: list[int]
-    logprobs: list[float]                        # of each sampled token, under the model's raw distribution
+    logprobs: list[float]  # of each sampled token, under the model's raw distribution
     top_logprobs: list[dict[int, float] | None]  # the N most likely tokens, where a request asked for them
-    non_finite_rows: set[int]                    # rows whose logits held NaN or inf: their requests fail
+    non_finite_rows: set[int]  # rows whose logits held NaN or inf: their requests fail
 
 
 class Sampler:
@@ -58,8 +59,11 @@ class Sampler:
         return host
 
     def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        rows = [i for i, s in enumerate(seqs) if s.params.repetition_penalty != 1.0
-                or s.params.presence_penalty or s.params.frequency_penalty]
+        rows = [
+            i
+            for i, s in enumerate(seqs)
+            if s.params.repetition_penalty != 1.0 or s.params.presence_penalty or s.params.frequency_penalty
+        ]
         if not rows:
             return logits
         logits = logits.clone()

@@ -1,7 +1,8 @@
 """Llama-family decoder. Parameter names follow Hugging Face's, with q/k/v and gate/up fused at load time."""
+
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -15,8 +16,11 @@ from ..layers.rotary import RotaryEmbedding
 
 # HF name suffix -> (fused parameter suffix, shard index)
 _FUSED = {
-    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
 }
 
 

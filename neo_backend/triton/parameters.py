@@ -1,7 +1,8 @@
 """Engine knobs from the `parameters` of the model's config.pbtxt."""
+
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 from ..config import EngineConfig
 

@@ -3,29 +3,49 @@
 A request is anything with `inputs()` (tensors with `name()` and `as_numpy()`) and `parameters()` (a JSON
 string), as `pb_utils.InferenceRequest` has them.
 """
+
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
-from ..errors import InvalidRequestError
 from ..core.sampling_params import SamplingParams
+from ..errors import InvalidRequestError
 
-FLAG_INPUTS = ("stream", "exclude_input_in_output", "return_finish_reason", "return_cumulative_logprob",
-               "return_logprobs", "return_num_input_tokens", "return_num_output_tokens")
-SCALAR_SAMPLING_INPUTS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "seed",
-                          "repetition_penalty", "presence_penalty", "frequency_penalty")
+FLAG_INPUTS = (
+    "stream",
+    "exclude_input_in_output",
+    "return_finish_reason",
+    "return_cumulative_logprob",
+    "return_logprobs",
+    "return_num_input_tokens",
+    "return_num_output_tokens",
+)
+SCALAR_SAMPLING_INPUTS = (
+    "max_tokens",
+    "min_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
 # Request parameters that Triton's own frontends and clients set (e.g. tritonclient's
 # enable_empty_final_response); they are not sampling parameters.
 RESERVED_PARAMETER_PREFIX = "triton_"
-RESERVED_PARAMETERS = frozenset({"sequence_id", "sequence_start", "sequence_end", "priority", "timeout",
-                                 "binary_data_output", "headers"})
+RESERVED_PARAMETERS = frozenset(
+    {"sequence_id", "sequence_start", "sequence_end", "priority", "timeout", "binary_data_output", "headers"}
+)
 
 
 @dataclass
 class RequestSpec:
     """What one Triton request asks for, validated; parsing errors are InvalidRequestError naming the input."""
+
     prompt: str
     sampling: dict[str, Any]
     stream: bool
@@ -37,19 +57,28 @@ class RequestSpec:
         tensors = {tensor.name(): tensor for tensor in request.inputs()}
         prompt = _text_input(tensors)
         params = _json_object(request.parameters() or "{}", "the request parameters")
-        params = {k: v for k, v in params.items()
-                  if k not in RESERVED_PARAMETERS and not k.startswith(RESERVED_PARAMETER_PREFIX)}
+        params = {
+            k: v
+            for k, v in params.items()
+            if k not in RESERVED_PARAMETERS and not k.startswith(RESERVED_PARAMETER_PREFIX)
+        }
         flags = {name: _flag(tensors.get(name), name, params.pop(name, None)) for name in FLAG_INPUTS}
         stream = bool(flags["stream"])
         exclude = flags["exclude_input_in_output"]
         if stream and exclude is False:
-            raise InvalidRequestError("stream=true requires exclude_input_in_output=true: streamed responses carry "
-                                      "only the new text")
+            raise InvalidRequestError(
+                "stream=true requires exclude_input_in_output=true: streamed responses carry only the new text"
+            )
         tensor = tensors.get("sampling_parameters")
-        sampling = params if tensor is None else _json_object(_single_string(tensor, "sampling_parameters"),
-                                                              "sampling_parameters")
+        sampling = (
+            params
+            if tensor is None
+            else _json_object(_single_string(tensor, "sampling_parameters"), "sampling_parameters")
+        )
         sampling = {**SamplingParams.parse_strings(sampling), **_scalar_sampling_inputs(tensors)}
-        returns = frozenset(name[len("return_"):] for name in FLAG_INPUTS if name.startswith("return_") and flags[name])
+        returns = frozenset(
+            name[len("return_") :] for name in FLAG_INPUTS if name.startswith("return_") and flags[name]
+        )
         # Like the vLLM backend: the prompt is prepended to a non-streamed answer unless excluded.
         return cls(prompt, sampling, stream, stream if exclude is None else exclude, returns)
 

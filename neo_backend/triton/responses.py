@@ -3,17 +3,19 @@ sending them through a response sender whose client may be gone.
 
 model.py wraps them into `pb_utils.InferenceResponse`s; kept plain arrays, tests can read them directly.
 """
+
 from __future__ import annotations
 
 import enum
 import json
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
-from ..errors import EngineDeadError, InvalidRequestError, NeoError, QueueFullError
 from ..core.outputs import RequestOutput
+from ..errors import EngineDeadError, InvalidRequestError, NeoError, QueueFullError
 from .request import RequestSpec
 
 log = logging.getLogger("neo_backend.triton")
@@ -23,6 +25,7 @@ Outputs = dict[str, np.ndarray]  # output name -> array, in the order they are s
 
 class ErrorCode(enum.Enum):
     """The `pb_utils.TritonError` codes this model answers with, named as there."""
+
     INTERNAL = enum.auto()
     INVALID_ARG = enum.auto()
     UNAVAILABLE = enum.auto()
@@ -49,8 +52,9 @@ class ResponseWriter:
             return None
         return self._outputs("".join(self._text), out.num_output_tokens, self._logprobs, out)
 
-    def _outputs(self, text: str, num_tokens: int, logprobs: list[dict[int, float]] | None,
-                 out: RequestOutput) -> Outputs:
+    def _outputs(
+        self, text: str, num_tokens: int, logprobs: list[dict[int, float]] | None, out: RequestOutput
+    ) -> Outputs:
         returns = self.spec.returns
         outputs = {"text_output": np.array([text.encode("utf-8")], dtype=np.object_)}
         if "finish_reason" in returns:
@@ -70,8 +74,12 @@ class ResponseWriter:
         """vLLM backend format: per token, {token id: {"logprob", "decoded_token"}}, the sampled token first."""
         if logprobs is None:
             return "null"
-        return json.dumps([{str(tid): {"logprob": lp, "decoded_token": self._decode([tid])}
-                            for tid, lp in entry.items()} for entry in logprobs])
+        return json.dumps(
+            [
+                {str(tid): {"logprob": lp, "decoded_token": self._decode([tid])} for tid, lp in entry.items()}
+                for entry in logprobs
+            ]
+        )
 
 
 def rejection(exc: NeoError) -> tuple[str, ErrorCode]:

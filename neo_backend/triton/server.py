@@ -5,6 +5,7 @@ Uses the `tritonserver` on PATH when there is one (as in NVIDIA's container), el
 `NEO_<KNOB>` environment variables are written into a runtime copy of the model repository, so config.pbtxt stays
 the one place the model reads its knobs from. The pieces are public so tests can start servers the same way.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -23,9 +24,10 @@ import tempfile
 import threading
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Mapping
+from typing import IO
 
 from ..config import EngineConfig
 from ..errors import ConfigError, NeoError
@@ -46,6 +48,7 @@ class ServerSetupError(NeoError):
 @dataclass(frozen=True)
 class TritonInstall:
     """Where the tritonserver binary and (for the bundled one) its libraries and python backend live."""
+
     binary: Path
     bundled_root: Path | None = None  # pytriton/tritonserver when using the nvidia-pytriton wheel
 
@@ -94,8 +97,10 @@ def find_tritonserver() -> TritonInstall:
     # Located, not imported: the wheel is installed without its dependencies, which its __init__ needs.
     spec = importlib.util.find_spec("pytriton")
     if spec is None or not spec.submodule_search_locations:
-        raise ServerSetupError("no tritonserver on PATH and nvidia-pytriton is not installed; run `make install` "
-                               "(pip install --no-deps nvidia-pytriton==0.7.0)")
+        raise ServerSetupError(
+            "no tritonserver on PATH and nvidia-pytriton is not installed; run `make install` "
+            "(pip install --no-deps nvidia-pytriton==0.7.0)"
+        )
     root = Path(list(spec.submodule_search_locations)[0]).resolve() / "tritonserver"
     binary = root / "bin" / "tritonserver"
     if not binary.is_file():
@@ -112,12 +117,14 @@ def prepare_backend_dir(install: TritonInstall, cache_dir: Path) -> Path | None:
         return None
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
     backend = install.bundled_root / "backends" / "python"
-    parts = [backend / "libtriton_python.so", backend / "triton_python_backend_utils.py",
-             install.bundled_root / "python_backend_stubs" / version / "triton_python_backend_stub"]
+    parts = [
+        backend / "libtriton_python.so",
+        backend / "triton_python_backend_utils.py",
+        install.bundled_root / "python_backend_stubs" / version / "triton_python_backend_stub",
+    ]
     missing = [str(p) for p in parts if not p.is_file()]
     if missing:
-        raise ServerSetupError(f"the bundled python backend lacks {', '.join(missing)} (Python {version} "
-                               f"supported?)")
+        raise ServerSetupError(f"the bundled python backend lacks {', '.join(missing)} (Python {version} supported?)")
     target = cache_dir / f"backends-py{version}"
     (target / "python").mkdir(parents=True, exist_ok=True)
     for part in parts:
@@ -144,8 +151,10 @@ def check_model_importable() -> None:
     in this environment's site-packages for model.py to import it."""
     probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('neo_backend') is None)"
     if subprocess.run([sys.executable, "-I", "-c", probe], cwd="/", check=False).returncode != 0:
-        raise ServerSetupError(f"neo_backend is not installed in {sys.prefix}, and the Triton python backend imports "
-                               f"it from there: run `make install` (or `pip install -e .`)")
+        raise ServerSetupError(
+            f"neo_backend is not installed in {sys.prefix}, and the Triton python backend imports "
+            f"it from there: run `make install` (or `pip install -e .`)"
+        )
 
 
 def read_parameters(config_path: Path) -> dict[str, str]:
@@ -153,18 +162,21 @@ def read_parameters(config_path: Path) -> dict[str, str]:
     return {key: value.string_value for key, value in _read_config(config_path).parameters.items()}
 
 
-def knob_overrides(repository: Path = DEFAULT_MODEL_REPOSITORY, environ: Mapping[str, str] | None = None
-                   ) -> dict[str, str]:
+def knob_overrides(
+    repository: Path = DEFAULT_MODEL_REPOSITORY, environ: Mapping[str, str] | None = None
+) -> dict[str, str]:
     """Knobs that `NEO_<KNOB>` variables change from the repository's config.pbtxt, validated here so a bad value
     fails before the server starts."""
-    base = EngineConfig.from_strings(read_parameters(repository / MODEL_NAME / "config.pbtxt"),
-                                     source="config.pbtxt parameter")
+    base = EngineConfig.from_strings(
+        read_parameters(repository / MODEL_NAME / "config.pbtxt"), source="config.pbtxt parameter"
+    )
     changed = EngineConfig.from_env(environ, base=base).changed_knobs(base)
     return {name: _knob_string(value) for name, value in changed.items()}
 
 
-def render_model_repository(target: Path, overrides: Mapping[str, object] | None = None,
-                            source: Path = DEFAULT_MODEL_REPOSITORY) -> Path:
+def render_model_repository(
+    target: Path, overrides: Mapping[str, object] | None = None, source: Path = DEFAULT_MODEL_REPOSITORY
+) -> Path:
     """Copy the model repository to `target`, with `overrides` written into the neo model's parameters."""
     overrides = {k: _knob_string(v) for k, v in (overrides or {}).items()}
     unknown = sorted(set(overrides) - set(EngineConfig.field_names()))
@@ -192,13 +204,25 @@ def free_ports(count: int) -> list[int]:
         return [s.getsockname()[1] for s in sockets]
 
 
-def build_command(install: TritonInstall, repository: Path, backend_dir: Path | None,
-                  address: ServerAddress, extra_args: list[str] = ()) -> list[str]:
-    command = [str(install.binary), f"--model-repository={repository}",
-               f"--http-address={address.host}", f"--http-port={address.http_port}",
-               f"--grpc-address={address.host}", f"--grpc-port={address.grpc_port}",
-               f"--metrics-address={address.host}", f"--metrics-port={address.metrics_port}",
-               f"--exit-timeout-secs={EXIT_TIMEOUT_S}", "--allow-gpu-metrics=false"]
+def build_command(
+    install: TritonInstall,
+    repository: Path,
+    backend_dir: Path | None,
+    address: ServerAddress,
+    extra_args: list[str] = (),
+) -> list[str]:
+    command = [
+        str(install.binary),
+        f"--model-repository={repository}",
+        f"--http-address={address.host}",
+        f"--http-port={address.http_port}",
+        f"--grpc-address={address.host}",
+        f"--grpc-port={address.grpc_port}",
+        f"--metrics-address={address.host}",
+        f"--metrics-port={address.metrics_port}",
+        f"--exit-timeout-secs={EXIT_TIMEOUT_S}",
+        "--allow-gpu-metrics=false",
+    ]
     if backend_dir is not None:
         # The bundled server has no CUDA: a pinned pool would only log errors.
         command += [f"--backend-directory={backend_dir}", "--pinned-memory-pool-byte-size=0"]
@@ -207,9 +231,15 @@ def build_command(install: TritonInstall, repository: Path, backend_dir: Path | 
     return command + list(extra_args)
 
 
-def launch(address: ServerAddress, overrides: Mapping[str, object] | None = None, *, work_dir: Path,
-           repository: Path = DEFAULT_MODEL_REPOSITORY, stdout: IO | int | None = None,
-           extra_args: list[str] = ()) -> subprocess.Popen:
+def launch(
+    address: ServerAddress,
+    overrides: Mapping[str, object] | None = None,
+    *,
+    work_dir: Path,
+    repository: Path = DEFAULT_MODEL_REPOSITORY,
+    stdout: IO | int | None = None,
+    extra_args: list[str] = (),
+) -> subprocess.Popen:
     """Start tritonserver on a copy of `repository` (rendered into `work_dir`) and return the process.
 
     The server leads its own process group, shared with its python-backend stubs; stop it with `stop_server`.
@@ -221,8 +251,13 @@ def launch(address: ServerAddress, overrides: Mapping[str, object] | None = None
     model_repo = render_model_repository(work_dir / "model_repository", overrides, repository)
     command = build_command(install, model_repo, backend_dir, address, extra_args)
     log.info("starting %s", " ".join(command))
-    return subprocess.Popen(command, env=server_env(install), stdout=stdout, start_new_session=True,
-                            stderr=subprocess.STDOUT if stdout is not None else None)
+    return subprocess.Popen(
+        command,
+        env=server_env(install),
+        stdout=stdout,
+        start_new_session=True,
+        stderr=subprocess.STDOUT if stdout is not None else None,
+    )
 
 
 def signal_server(process: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
@@ -259,8 +294,9 @@ def stop_server(process: subprocess.Popen, timeout: float = EXIT_TIMEOUT_S + KIL
     return process.returncode
 
 
-def launch_gateway(address: ServerAddress, extra_args: list[str] = (), stdout: IO | int | None = None
-                   ) -> subprocess.Popen:
+def launch_gateway(
+    address: ServerAddress, extra_args: list[str] = (), stdout: IO | int | None = None
+) -> subprocess.Popen:
     """Start the OpenAI-compatible gateway (`python -m openai_frontend`) in front of this server's gRPC port.
 
     It reads where it listens and its API key itself (NEO_OPENAI_HOST, NEO_OPENAI_PORT, NEO_OPENAI_API_KEY).
@@ -291,12 +327,16 @@ def serve(args: object = None) -> int:
     previous = {s: signal.signal(s, lambda signum, _frame: stopping.set()) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         with tempfile.TemporaryDirectory(prefix="neo-triton-") as work_dir:
-            process = launch(address, overrides, work_dir=Path(work_dir), repository=repository,
-                             extra_args=shlex.split(os.environ.get("NEO_TRITON_ARGS", "")))
+            process = launch(
+                address,
+                overrides,
+                work_dir=Path(work_dir),
+                repository=repository,
+                extra_args=shlex.split(os.environ.get("NEO_TRITON_ARGS", "")),
+            )
             gateway = launch_gateway(address) if with_gateway else None
             announced = False
-            while (process.poll() is None and (gateway is None or gateway.poll() is None)
-                   and not stopping.wait(0.5)):
+            while process.poll() is None and (gateway is None or gateway.poll() is None) and not stopping.wait(0.5):
                 if not announced and is_ready(address):
                     announced = True
                     for line in ready_banner(address, gateway_url):
@@ -324,17 +364,22 @@ def is_ready(address: ServerAddress, timeout: float = 1.0) -> bool:
 
 def ready_banner(address: ServerAddress, gateway_url: str | None) -> list[str]:
     """What a user needs once the stack is ready: where each endpoint is and one command to try."""
-    lines = [f"ready: model {MODEL_NAME!r}",
-             f"  Triton gRPC      {address.url('grpc')}",
-             f"  Triton HTTP      http://{address.url('http')}/v2/models/{MODEL_NAME}/generate",
-             f"  metrics          http://{address.url('metrics')}/metrics"]
+    lines = [
+        f"ready: model {MODEL_NAME!r}",
+        f"  Triton gRPC      {address.url('grpc')}",
+        f"  Triton HTTP      http://{address.url('http')}/v2/models/{MODEL_NAME}/generate",
+        f"  metrics          http://{address.url('metrics')}/metrics",
+    ]
     if gateway_url:
         lines.append(f"  OpenAI API       {gateway_url}/v1")
-    lines.append(f"  try:  {sys.executable} -m client --url {address.url('grpc')} --max-tokens 16 "
-                 f"\"The capital of France is\"")
+    lines.append(
+        f'  try:  {sys.executable} -m client --url {address.url("grpc")} --max-tokens 16 "The capital of France is"'
+    )
     if gateway_url:
-        lines.append(f"  or:   curl -s {gateway_url}/v1/completions -H 'Content-Type: application/json' -d "
-                     f"'{{\"model\": \"{MODEL_NAME}\", \"prompt\": \"The capital of France is\", \"max_tokens\": 16}}'")
+        lines.append(
+            f"  or:   curl -s {gateway_url}/v1/completions -H 'Content-Type: application/json' -d "
+            f'\'{{"model": "{MODEL_NAME}", "prompt": "The capital of France is", "max_tokens": 16}}\''
+        )
     return lines
 
 

@@ -7,6 +7,7 @@ and refreshes the engine gauges. Every request gets exactly one response carryin
 to it. Parsing requests, shaping responses and the metrics live in `neo_backend.triton`; this file holds the
 lifecycle.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,8 +25,8 @@ from typing import Any
 
 import triton_python_backend_utils as pb_utils
 
-from neo_backend.errors import NeoError
 from neo_backend.core.outputs import RequestOutput
+from neo_backend.errors import NeoError
 from neo_backend.streaming import StreamingEngine
 from neo_backend.triton.metrics import NeoMetrics
 from neo_backend.triton.parameters import engine_config
@@ -55,8 +56,9 @@ class _InFlight:
 
 class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
-        logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        logging.basicConfig(
+            level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
         model_config = json.loads(args["model_config"])
         config = engine_config(model_config.get("parameters", {}))
         name, version = args["model_name"], args["model_version"]
@@ -65,9 +67,17 @@ class TritonPythonModel:
         start = time.monotonic()
         self.engine = StreamingEngine(config)
         stats = self.engine.stats()
-        log.info("model %s v%s: engine loaded in %.1f s; KV pools: gpu %d blocks, cpu %d blocks of %d tokens; "
-                 "max_model_len %d", name, version, time.monotonic() - start, stats["gpu_blocks_total"],
-                 stats.get("cpu_blocks_total", 0), config.block_size, self.engine.max_model_len)
+        log.info(
+            "model %s v%s: engine loaded in %.1f s; KV pools: gpu %d blocks, cpu %d blocks of %d tokens; "
+            "max_model_len %d",
+            name,
+            version,
+            time.monotonic() - start,
+            stats["gpu_blocks_total"],
+            stats.get("cpu_blocks_total", 0),
+            config.block_size,
+            self.engine.max_model_len,
+        )
         self.metrics = NeoMetrics({"model": name, "version": version}, pb_utils.MetricFamily)
         self.metrics.refresh(stats)
         self._in_flight: dict[str, _InFlight] = {}
@@ -147,8 +157,12 @@ class TritonPythonModel:
             spec = RequestSpec.parse(request)
             in_flight = _InFlight(spec, sender, request_id, ResponseWriter(spec, self.engine.tokenizer.decode))
             self._in_flight[request_id] = in_flight
-            self.engine.submit(spec.prompt, spec.sampling, request_id=request_id,
-                               on_output=lambda out: self._outbox.put((in_flight, out)))
+            self.engine.submit(
+                spec.prompt,
+                spec.sampling,
+                request_id=request_id,
+                on_output=lambda out: self._outbox.put((in_flight, out)),
+            )
         except NeoError as exc:
             self._in_flight.pop(request_id, None)
             reason, code = rejection(exc)
@@ -158,8 +172,9 @@ class TritonPythonModel:
             self._in_flight.pop(request_id, None)
             log.exception("request rejected by an internal error")
             self.metrics.count_failure("internal")
-            send_quietly(sender, _error_response(f"internal error: {type(exc).__name__}: {exc}", ErrorCode.INTERNAL),
-                         FINAL)
+            send_quietly(
+                sender, _error_response(f"internal error: {type(exc).__name__}: {exc}", ErrorCode.INTERNAL), FINAL
+            )
 
     def _send_loop(self) -> None:
         """The one thread that turns engine outputs into responses, for every request, in order."""
@@ -221,5 +236,6 @@ def _response(outputs: Outputs) -> Any:
 
 
 def _error_response(message: str, code: ErrorCode) -> Any:
-    return pb_utils.InferenceResponse(output_tensors=[],
-                                      error=pb_utils.TritonError(message, getattr(pb_utils.TritonError, code.name)))
+    return pb_utils.InferenceResponse(
+        output_tensors=[], error=pb_utils.TritonError(message, getattr(pb_utils.TritonError, code.name))
+    )
