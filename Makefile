@@ -14,7 +14,7 @@ WORKLOAD ?= fixed
 API ?= triton
 SOAK_DURATION ?= 300
 
-.PHONY: install build model serve test bench-kernel bench loadtest soak clean
+.PHONY: install build model serve lint test bench-kernel bench loadtest soak clean
 
 install: $(STAMP)
 
@@ -35,8 +35,12 @@ model: install
 serve: build model
 	$(PY) -m neo_backend serve
 
-test: build model
-	$(PY) -m pytest -q
+lint: install
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+test: lint build model
+	$(PY) -m pytest -q --durations=15
 
 bench-kernel: build
 	$(PY) bench/kernel.py

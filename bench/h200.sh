@@ -14,7 +14,7 @@ step() { local limit=$1; shift; echo "=== $* (limit ${limit}s)"; timeout "$limit
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   nproc; python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)'
   step 90 python3 -m neo_backend build-kernel
-  step 150 python3 -m pytest -q -x -p no:cacheprovider tests/test_cuda.py
+  step 150 python3 -m pytest -q -x -p no:cacheprovider tests/cuda/test_cuda.py
   step 150 python3 bench/engine.py --roofline --profile --num-requests 8 --prompt-len 1000 --output-len 4 \
       --tokenizer "$TOKENIZER" --json "$OUT/h200_engine_roofline.json"
   step 150 python3 bench/pipeline_overlap.py --tokenizer "$TOKENIZER" --json "$OUT/h200_pipeline_overlap.json"

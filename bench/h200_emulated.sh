@@ -19,7 +19,7 @@ SERVE=(python3 bench/serving.py --policies never auto --gpu-sm-count 8 --warmup-
   for what in "$@"; do
     case "$what" in
       tests)
-        step 110 python3 -m pytest -q -x -s -p no:cacheprovider tests/test_cuda.py -k "partition or greedy" ;;
+        step 110 python3 -m pytest -q -x -s -p no:cacheprovider tests/cuda/test_cuda.py -k "partition or greedy" ;;
       roofline)
         step 140 python3 bench/engine.py --roofline --gpu-sm-count 8 --tokenizer "$TOKENIZER" \
             --json "$OUT/h200_engine_roofline_8sm.json" ;;

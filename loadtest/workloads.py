@@ -3,7 +3,7 @@
 Prompt lengths are approximate: a prompt of N tokens is N words drawn from `WORDS`, common English words that
 are one token each (with their leading space) in SmolLM2's tokenizer and, being this common, in other
 Llama-family BPE vocabularies too. The server reports the real count (`num_input_tokens`) and the summary uses
-it; `tests/test_loadtest.py` checks the approximation against the default model's tokenizer.
+it; `tests/server/test_loadtest.py` checks the approximation against the default model's tokenizer.
 
 Workloads (all drawn from `random.Random(seed)`, so a seed fixes every length):
 - `fixed`: every request has `input_tokens` prompt tokens and `output_tokens` output tokens.

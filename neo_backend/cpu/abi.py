@@ -1,4 +1,4 @@
-"""The numbers of the library's C ABI (kernels/abi.h), mirrored for ctypes; tests/test_cpu_abi.py checks every
+"""The numbers of the library's C ABI (kernels/abi.h), mirrored for ctypes; tests/unit/test_cpu_abi.py checks every
 one against the header."""
 
 from __future__ import annotations

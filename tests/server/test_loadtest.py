@@ -21,7 +21,7 @@ from loadtest.report import plot_percentiles_over_time, summarize
 from loadtest.server import RunningServer, triton_server
 from loadtest.workloads import WORKLOADS, A10GSource, make_source, words
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from engine_helpers import collect, mixed_requests
 
 from neo_backend import EngineConfig, LLMEngine
 
@@ -31,64 +32,9 @@ def test_greedy_matches_transformers_generate(smollm_engine, hf_smollm):
         assert ours.token_ids == ref[0, len(ids) :].tolist(), prompt
 
 
-def _mixed_requests(num: int, seed: int) -> tuple[list[list[int]], list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    prompts = [
-        torch.randint(3, 500, (int(torch.randint(3, 90, (1,), generator=gen)),), generator=gen).tolist()
-        for _ in range(num)
-    ]
-    max_tokens = [int(torch.randint(1, 24, (1,), generator=gen)) for _ in range(num)]
-    return prompts, max_tokens
-
-
-def _outputs(stream, timeout_s: float = 60.0):
-    """A `StreamingEngine` stream's outputs up to its last; a stream nobody ends raises TimeoutError."""
-    while not stream.finished:
-        yield stream.get(timeout=timeout_s)
-
-
-def _fixed_perf_model(engine, monkeypatch, remeasured: bool = False) -> None:
-    """The start-up profile replaced, in place, by a fixed model under which `auto` swaps and places on every
-    pressured step: every iteration predicted to take 10 ms whatever it holds, the host's attention free (and,
-    unless `remeasured`, never re-measured). With a measured profile, whether a tiny model's CPU work pays is
-    decided by a margin that the start-up timing sets (and on a GPU it never pays, or the fail-safe stops it after
-    a timing-dependent number of iterations)."""
-    fixed = {
-        "dense_tokens": [1],
-        "dense_seconds": [0.01],
-        "gpu_attn_per_token": 0.0,
-        "cpu_attn_fixed": 0.0,
-        "cpu_attn_per_request": 0.0,
-        "cpu_attn_per_token": 0.0,
-    }
-    for term, value in fixed.items():
-        monkeypatch.setattr(engine.perf_model, term, value)
-    if not remeasured:
-        for observe in ("observe_cpu", "observe_iteration"):
-            monkeypatch.setattr(engine.perf_model, observe, lambda *args: None)
-
-
-def _collect(engine: LLMEngine, prompts, max_tokens, stagger: bool) -> list[list[int]]:
-    tokens: dict[str, list[int]] = {}
-    order = []
-    step = 0
-    pending = list(range(len(prompts)))
-    while pending or engine.has_unfinished_requests():
-        while pending and (not stagger or step >= 2 * pending[0]):
-            i = pending.pop(0)
-            rid = engine.add_request(prompts[i], {"max_tokens": max_tokens[i], "temperature": 0, "ignore_eos": True})
-            tokens[rid] = []
-            order.append(rid)
-        for out in engine.step():
-            tokens[out.request_id] += out.token_ids
-        step += 1
-        assert step < 5000, "engine made no progress"
-    return [tokens[rid] for rid in order]
-
-
 @pytest.mark.parametrize("num_blocks", [256, 12])
 def test_staggered_batch_equals_each_alone(tiny_model_dirs, num_blocks):
-    prompts, max_tokens = _mixed_requests(16, seed=3)
+    prompts, max_tokens = mixed_requests(16, seed=3)
     engine = LLMEngine(
         EngineConfig(
             model=str(tiny_model_dirs["llama3"]),
@@ -98,11 +44,11 @@ def test_staggered_batch_equals_each_alone(tiny_model_dirs, num_blocks):
             offload_policy="never",
         )
     )
-    together = _collect(engine, prompts, max_tokens, stagger=True)
+    together = collect(engine, prompts, max_tokens, stagger=True)
     if num_blocks == 12:
         assert engine.scheduler.num_preemptions > 0
     assert engine.gpu_blocks.num_free_blocks == num_blocks
-    alone = [_collect(engine, [p], [m], stagger=False)[0] for p, m in zip(prompts, max_tokens)]
+    alone = [collect(engine, [p], [m], stagger=False)[0] for p, m in zip(prompts, max_tokens)]
     assert together == alone
     assert all(len(t) == m for t, m in zip(together, max_tokens))
 
@@ -111,9 +57,9 @@ def test_smollm_batch_with_preemption_equals_alone():
     engine = LLMEngine(EngineConfig(num_gpu_blocks=8, max_num_batched_tokens=64, offload_policy="never"))
     prompts = [engine.tokenizer.encode(p) for p in PROMPTS * 2]
     max_tokens = [20, 12, 28, 9, 16, 24]
-    together = _collect(engine, prompts, max_tokens, stagger=True)
+    together = collect(engine, prompts, max_tokens, stagger=True)
     assert engine.scheduler.num_preemptions > 0
-    alone = [_collect(engine, [p], [m], stagger=False)[0] for p, m in zip(prompts, max_tokens)]
+    alone = [collect(engine, [p], [m], stagger=False)[0] for p, m in zip(prompts, max_tokens)]
     assert together == alone
     assert engine.gpu_blocks.num_free_blocks == 8
 

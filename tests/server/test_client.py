@@ -19,7 +19,7 @@ from client.__main__ import parse_args, sampling_from_args
 from loadtest.server import RunningServer, triton_server
 from neo_backend.triton.server import free_ports
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 STATS_LINE = re.compile(
     r"TTFT (\d+\.\d) ms \| TPOT (\d+\.\d) ms \| (\d+\.\d) tokens/s \| (\d+) tokens in "
     r"\d+\.\d\d s \| finish_reason (\w+)"

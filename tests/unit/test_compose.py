@@ -19,10 +19,10 @@ import yaml
 
 from neo_backend.config import EngineConfig
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
 ENV_FILE = ROOT / "docker" / "neo.env"
-SCHEMA = Path(__file__).resolve().parent / "data" / "compose-spec.json"
+SCHEMA = Path(__file__).resolve().parents[1] / "data" / "compose-spec.json"
 SERVER_ADDRESS_VARS = {"NEO_HOST", "NEO_HTTP_PORT", "NEO_GRPC_PORT", "NEO_METRICS_PORT"}
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_generation import _collect, _fixed_perf_model, _mixed_requests
+from engine_helpers import collect, fixed_perf_model, mixed_requests
 
 from neo_backend import EngineConfig, LLMEngine
 from neo_backend.config import ModelConfig
@@ -95,7 +95,7 @@ def test_cuda_logits_match_cpu_engine(tiny_model_dirs):
 )
 def test_cuda_greedy_unchanged_by_offload(tiny_model_dirs, policy, pipeline, sm_count, monkeypatch):
     """Against the whole GPU under `never`: the same tokens with offloading, and on an 8-SM partition."""
-    prompts, max_tokens = _mixed_requests(32, seed=21)
+    prompts, max_tokens = mixed_requests(32, seed=21)
     base = LLMEngine(
         EngineConfig(
             model=str(tiny_model_dirs["llama3"]),
@@ -106,7 +106,7 @@ def test_cuda_greedy_unchanged_by_offload(tiny_model_dirs, policy, pipeline, sm_
             offload_policy="never",
         )
     )
-    expected = _collect(base, prompts, max_tokens, stagger=True)
+    expected = collect(base, prompts, max_tokens, stagger=True)
     engine = LLMEngine(
         EngineConfig(
             model=str(tiny_model_dirs["llama3"]),
@@ -123,8 +123,8 @@ def test_cuda_greedy_unchanged_by_offload(tiny_model_dirs, policy, pipeline, sm_
         )
     )
     if policy == "auto":
-        _fixed_perf_model(engine, monkeypatch)
-    assert _collect(engine, prompts, max_tokens, stagger=True) == expected
+        fixed_perf_model(engine, monkeypatch)
+    assert collect(engine, prompts, max_tokens, stagger=True) == expected
     stats = engine.stats_snapshot()
     assert (stats["cpu_decode_tokens"] > 0) == (policy != "never")
     assert stats["gpu_blocks_used"] == 0 and stats["cpu_blocks_used"] == 0

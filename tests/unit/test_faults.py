@@ -6,7 +6,7 @@ import itertools
 import threading
 import time
 
-from test_generation import _collect, _mixed_requests, _outputs
+from engine_helpers import collect, mixed_requests, outputs_of
 
 from neo_backend import EngineConfig, KernelError, LLMEngine
 from neo_backend.errors import EngineDeadError, QueueFullError
@@ -77,8 +77,8 @@ def test_a_broken_iteration_fails_its_requests_and_the_engine_goes_on(tiny_model
 
 
 def test_cpu_kernel_failure_fails_over_to_the_gpu(tiny_model_dirs, monkeypatch):
-    prompts, max_tokens = _mixed_requests(12, seed=5)
-    reference = _collect(
+    prompts, max_tokens = mixed_requests(12, seed=5)
+    reference = collect(
         _tiny_engine(tiny_model_dirs, num_gpu_blocks=512, offload_policy="never"), prompts, max_tokens, stagger=False
     )
     engine = _tiny_engine(tiny_model_dirs, num_gpu_blocks=512, offload_policy="always", cpu_kv_cache_gb=0.01)
@@ -88,7 +88,7 @@ def test_cpu_kernel_failure_fails_over_to_the_gpu(tiny_model_dirs, monkeypatch):
         "run_iteration",
         _failing_on_call(host.run_iteration, 6, KernelError("injected: the CPU attention library failed")),
     )
-    assert _collect(engine, prompts, max_tokens, stagger=False) == reference
+    assert collect(engine, prompts, max_tokens, stagger=False) == reference
     assert engine.counters.failures == {"cpu_kernel": 1} and engine.scheduler.policy == "never"
     stats = engine.stats_snapshot()
     assert stats["gpu_blocks_used"] == 0 and stats["cpu_blocks_used"] == 0
@@ -152,4 +152,4 @@ def test_every_stream_ends_when_the_engine_shuts_down_under_a_stream_of_submits(
         thread.join(timeout=60)
     assert streams and len(refused) == len(submitters)
     for stream in streams:
-        list(_outputs(stream, timeout_s=10))
+        list(outputs_of(stream, timeout_s=10))

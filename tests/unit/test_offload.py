@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_generation import _collect, _fixed_perf_model, _mixed_requests, _outputs
+from engine_helpers import collect, fixed_perf_model, mixed_requests, outputs_of
 
 from neo_backend import EngineConfig, LLMEngine
 from neo_backend.cpu.ops import Kernels
@@ -34,14 +34,14 @@ def _engine(model_dir, num_gpu_blocks: int, **knobs) -> LLMEngine:
 
 @pytest.fixture(scope="module")
 def workload():
-    return _mixed_requests(20, seed=11)
+    return mixed_requests(20, seed=11)
 
 
 @pytest.fixture(scope="module")
 def reference_tokens(tiny_model_dirs, workload):
     prompts, max_tokens = workload
     engine = _engine(tiny_model_dirs["llama3"], 512, offload_policy="never")
-    return [_collect(engine, [p], [m], stagger=False)[0] for p, m in zip(prompts, max_tokens)]
+    return [collect(engine, [p], [m], stagger=False)[0] for p, m in zip(prompts, max_tokens)]
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -49,8 +49,8 @@ def test_greedy_tokens_identical_across_policies(tiny_model_dirs, workload, refe
     prompts, max_tokens = workload
     engine = _engine(tiny_model_dirs["llama3"], 24, **CONFIGS[name])
     if name == "auto-small-gpu":
-        _fixed_perf_model(engine, monkeypatch)
-    tokens = _collect(engine, prompts, max_tokens, stagger=True)
+        fixed_perf_model(engine, monkeypatch)
+    tokens = collect(engine, prompts, max_tokens, stagger=True)
     assert tokens == reference_tokens
     stats = engine.stats_snapshot()
     assert stats["gpu_blocks_used"] == 0 and stats["cpu_blocks_used"] == 0, "KV blocks leaked"
@@ -68,13 +68,13 @@ def test_smollm_greedy_unchanged_by_offload(smollm_engine):
         for p in ["The capital of France is", "List three colors:", "def add(a, b):", "Water boils at"]
     ]
     max_tokens = [12, 10, 14, 8]
-    expected = [_collect(smollm_engine, [p], [m], stagger=False)[0] for p, m in zip(prompts, max_tokens)]
+    expected = [collect(smollm_engine, [p], [m], stagger=False)[0] for p, m in zip(prompts, max_tokens)]
     engine = LLMEngine(
         EngineConfig(
             offload_policy="always", pipeline="on", num_gpu_blocks=64, cpu_kv_cache_gb=0.05, max_num_batched_tokens=128
         )
     )
-    assert _collect(engine, prompts, max_tokens, stagger=True) == expected
+    assert collect(engine, prompts, max_tokens, stagger=True) == expected
     assert engine.stats_snapshot()["modes"].get("pipelined", 0) > 0
     assert engine.cpu_blocks.num_free_blocks == engine.cpu_blocks.num_blocks
 
@@ -93,7 +93,7 @@ def test_auto_backs_off_when_cpu_attention_is_slowed(tiny_model_dirs, workload, 
 
     prompts, max_tokens = workload
     engine = _engine(tiny_model_dirs["llama3"], 24, offload_policy="auto")
-    _fixed_perf_model(engine, monkeypatch, remeasured=True)
+    fixed_perf_model(engine, monkeypatch, remeasured=True)
     real_iteration = Kernels.decode_iteration
 
     def slow_iteration(*args, **kwargs):
@@ -173,7 +173,7 @@ def test_engine_cpu_pins_the_loop_and_keeps_cpu_attention_off_it(tiny_model_dirs
             front.submit(p, {"max_tokens": m, "temperature": 0, "ignore_eos": True})
             for p, m in zip(prompts, max_tokens)
         ]
-        tokens = [[t for out in _outputs(stream) for t in out.token_ids] for stream in streams]
+        tokens = [[t for out in outputs_of(stream) for t in out.token_ids] for stream in streams]
         threads = {t.name: t.native_id for t in threading.enumerate()}
         assert os.sched_getaffinity(threads["neo-engine-loop"]) == {engine_cpu}
         worker = next(tid for name, tid in threads.items() if name.startswith("neo-cpu-attention"))

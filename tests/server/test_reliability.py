@@ -32,7 +32,7 @@ from loadtest.server import RunningServer, triton_server
 from loadtest.soak import run_soak, server_pids
 from neo_backend.triton.server import MODEL_NAME, ServerAddress, build_command, find_tritonserver
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 # Small pools; every decode on the CPU pool (offload_policy=always) with a tiny host pool, so both pools see
 # traffic; max_num_seqs below the storm's size, so requests also wait in the queue.
 KNOBS = {
