@@ -125,7 +125,7 @@ BENCH_SHAPE = "B=32 ctx=1024 Hq=32 Hkv=8 D=128 fp16 block=16"
 
 
 def bench_case() -> Case:
-    """The issue's fixed shape (BENCH_SHAPE)."""
+    """`make bench-kernel`'s fixed shape (BENCH_SHAPE)."""
     return Case(batch=32, context=1024, hq=32, hkv=8, head_dim=128, dtype=torch.float16, block_size=16)
 
 

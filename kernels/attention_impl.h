@@ -7,8 +7,7 @@
 //      a transpose-add tree.
 //   2. online softmax: the block's max and exponentials are computed for all its tokens at once; the
 //      running max/sum (m, l) and the accumulator are rescaled only when the max grows. q is loaded
-//      times log2(e), so scores are in log2 units and weights are 2^(s - m): no range-reduction multiply
-//      (2-3% of a step on the Zen 4).
+//      times log2(e), so scores are in log2 units and weights are 2^(s - m): no range-reduction multiply.
 //   3. values: acc += p * v with GS x CB independent register accumulators per pass over D; run one step
 //      late, after the next step's scores and softmax (see `step`).
 // fp16/bf16 elements are widened to fp32 in registers; all arithmetic is fp32.
@@ -59,11 +58,8 @@ struct Kernel {
   static constexpr int NC = D / W;  // vectors per head row
   static_assert(D % W == 0, "head_dim must be a multiple of the vector width");
   static constexpr int kLinesPerRow = (D * int(sizeof(KT)) + 63) / 64;
-  // Steps (one KV head of one block) to prefetch ahead: 2 beat 1 on the 2-core Zen 4 and tied on the
-  // 16-core Xeon; 4 lost on both. Keys are prefetched through the score loop and values through the value
-  // passes: spread over the whole step, fewer prefetches wait for memory at once beside the step's own
-  // fills from L2 (against prefetching both in the score loop, paired: +4-10% on the Zen 4, +5-6% on the
-  // Xeon).
+  // Steps (one KV head of one block) to prefetch ahead; keys through the score loop, values through the
+  // value passes, so fewer prefetches wait for memory at once (measured in bench/RESULTS.md).
   static constexpr int kPrefetchSteps = 2;
 
   static void prefetch_row(const KT* p) {

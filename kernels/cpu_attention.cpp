@@ -92,9 +92,7 @@ struct Plan {
 };
 
 // About 2 MiB of fp16 KV for 8 KV heads of 128: long enough that the merge (one [Hq, D] row set per
-// segment) costs little, short enough to balance a handful of long requests over 16 threads. Measured
-// against 1024 (B=32, context 1024, paired calls): 1.24x faster on the 16-core Xeon (64 items instead of
-// 32 for 16 threads; splitting heads instead gained 1.19x), 2-5% slower on the 2-core Zen 4.
+// segment) costs little, short enough to balance a handful of long requests over 16 threads (bench/RESULTS.md).
 constexpr long kPartTokens = 512;
 
 Plan make_plan(const AttnParams& P, int threads, bool split_long) {

@@ -60,8 +60,7 @@ def decode_attention_reference(q, k_cache, v_cache, block_tables, context_lens, 
 
 # Contexts are split into chunks of this many tokens, each chunk one program, merged by log-sum-exp: with one
 # program per (sequence, KV head) a batch of 64 fills only 512 programs, too few to saturate HBM. The launch
-# parameters are the fastest of a sweep on the H200 (batch 64, context 1024, a 512-block table): 97 us against
-# 117 us for 256-token chunks (`bench/RESULTS.md`).
+# parameters are the fastest of a sweep on the H200 (bench/RESULTS.md).
 SPLIT_TOKENS = 512
 TOKENS_PER_ITER = 64
 NUM_WARPS = 4

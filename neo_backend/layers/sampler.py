@@ -46,8 +46,7 @@ class Sampler:
         """Copies of `tensors` in host memory, after one wait for the step that sleeps instead of spinning.
 
         A spinning read-back keeps the engine thread busy through the whole GPU step, on a core the process's
-        other threads (response senders) could use; on the H200 the sleeping wait cut the p99 gap between
-        tokens of 64 streams from 36 to 15 ms at the same mean (bench/RESULTS.md).
+        other threads (response senders) could use (its effect on token gaps: bench/RESULTS.md).
         """
         if tensors[0].device.type != "cuda":
             return list(tensors)
