@@ -9,7 +9,9 @@ from __future__ import annotations
 import enum
 import json
 import logging
+import threading
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -80,6 +82,21 @@ class ResponseWriter:
                 for entry in logprobs
             ]
         )
+
+
+@dataclass
+class InFlight:
+    """A request the model has accepted: what answers it and whether its final response went out."""
+
+    spec: RequestSpec
+    sender: Any
+    request_id: str
+    writer: ResponseWriter
+    cancelled: bool = False
+    completed: bool = False  # the final response went out; the sender must not be touched again
+    # Serializes the final send with the monitor's is_cancelled(): asking a completed request's sender crashes
+    # the server (its response factory is gone).
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 def rejection(exc: NeoError) -> tuple[str, ErrorCode]:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import threading
 
 import numpy as np
 import pytest
@@ -17,6 +20,7 @@ from neo_backend.triton.parameters import engine_config
 from neo_backend.triton.request import RequestSpec
 from neo_backend.triton.responses import ErrorCode, ResponseWriter, is_cancelled, rejection, send_quietly
 from neo_backend.triton.server import knob_overrides
+from neo_backend.triton.sigterm import SigtermWatcher
 
 
 class FakeTensor:
@@ -385,3 +389,25 @@ def test_failures_are_counted_by_reason_from_rejections_and_the_engine(metrics):
     neo.refresh({"failures": {"error": 3}})
     assert metric(made, "neo_request_failures_total", reason="queue_full").value == 2
     assert metric(made, "neo_request_failures_total", reason="error").value == 3
+
+
+def test_sigterm_watcher_calls_back_on_its_thread_and_ends_when_stopped():
+    previous = signal.getsignal(signal.SIGTERM)
+    called = threading.Event()
+    on_threads = []
+
+    def on_sigterm() -> None:
+        on_threads.append(threading.current_thread().name)
+        called.set()
+
+    watcher = SigtermWatcher(on_sigterm)
+    try:
+        assert watcher.start()
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert called.wait(10), "SIGTERM was not passed on"
+        assert on_threads == ["neo-sigterm"]
+    finally:
+        watcher.stop()
+        signal.signal(signal.SIGTERM, previous)
+    watcher.thread.join(10)
+    assert not watcher.thread.is_alive()

@@ -10,17 +10,13 @@ lifecycle.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
-import os
 import queue
-import signal
 import sys
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Any
 
 import triton_python_backend_utils as pb_utils
@@ -31,7 +27,16 @@ from neo_backend.streaming import StreamingEngine
 from neo_backend.triton.metrics import NeoMetrics
 from neo_backend.triton.parameters import engine_config
 from neo_backend.triton.request import RequestSpec
-from neo_backend.triton.responses import ErrorCode, Outputs, ResponseWriter, is_cancelled, rejection, send_quietly
+from neo_backend.triton.responses import (
+    ErrorCode,
+    InFlight,
+    Outputs,
+    ResponseWriter,
+    is_cancelled,
+    rejection,
+    send_quietly,
+)
+from neo_backend.triton.sigterm import SigtermWatcher
 
 log = logging.getLogger("neo_backend.triton")
 
@@ -39,19 +44,6 @@ CANCEL_POLL_S = 0.02
 GAUGE_REFRESH_S = 0.25
 SHUTDOWN_DRAIN_S = 5.0
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-
-
-@dataclass
-class _InFlight:
-    spec: RequestSpec
-    sender: Any
-    request_id: str
-    writer: ResponseWriter
-    cancelled: bool = False
-    completed: bool = False  # the final response went out; the sender must not be touched again
-    # Serializes the final send with the monitor's is_cancelled(): asking a completed request's sender crashes
-    # the server (its response factory is gone).
-    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
 
 class TritonPythonModel:
@@ -67,57 +59,35 @@ class TritonPythonModel:
         start = time.monotonic()
         self.engine = StreamingEngine(config)
         stats = self.engine.stats()
+        pools = f"gpu {stats['gpu_blocks_total']} blocks, cpu {stats.get('cpu_blocks_total', 0)} blocks"
         log.info(
-            "model %s v%s: engine loaded in %.1f s; KV pools: gpu %d blocks, cpu %d blocks of %d tokens; "
-            "max_model_len %d",
+            "model %s v%s: engine loaded in %.1f s; KV pools: %s of %d tokens; max_model_len %d",
             name,
             version,
             time.monotonic() - start,
-            stats["gpu_blocks_total"],
-            stats.get("cpu_blocks_total", 0),
+            pools,
             config.block_size,
             self.engine.max_model_len,
         )
         self.metrics = NeoMetrics({"model": name, "version": version}, pb_utils.MetricFamily)
         self.metrics.refresh(stats)
-        self._in_flight: dict[str, _InFlight] = {}
-        self._outbox: queue.SimpleQueue[tuple[_InFlight, RequestOutput] | None] = queue.SimpleQueue()
+        self._in_flight: dict[str, InFlight] = {}
+        self._outbox: queue.SimpleQueue[tuple[InFlight, RequestOutput] | None] = queue.SimpleQueue()
         self._sender = threading.Thread(target=self._send_loop, name="neo-sender", daemon=True)
         self._sender.start()
         self._stopping = threading.Event()
-        self._wakeup_fd: int | None = None
-        self._watcher: threading.Thread | None = None
+        self._watcher = SigtermWatcher(self._on_sigterm)
         self._monitor = threading.Thread(target=self._monitor_loop, name="neo-monitor", daemon=True)
         self._monitor.start()
-        self._watch_sigterm()
+        if not self._watcher.start():
+            log.warning("initialize is not on the stub's main thread: SIGTERM will not end in-flight streams early")
         log.info("model %s v%s: ready", name, version)
 
-    def _watch_sigterm(self) -> None:
-        """End every stream with an error as soon as this stub gets SIGTERM.
-
-        Triton calls finalize only after in-flight requests are done, so on its own a server stopping with long
-        streams waits out its exit timeout and then exits abruptly. `neo_backend serve` signals the server's process
-        group, stub included. The Python-level handler would only run once the stub's main thread next runs Python
-        code, so the signal is taken from the interpreter's wakeup fd by a thread instead.
-        """
-        if threading.current_thread() is not threading.main_thread():
-            log.warning("initialize is not on the stub's main thread: SIGTERM will not end in-flight streams early")
-            return
-        read_fd, self._wakeup_fd = os.pipe()
-        os.set_blocking(self._wakeup_fd, False)
-        signal.signal(signal.SIGTERM, lambda _signum, _frame: None)  # the work happens on the watcher thread
-        signal.set_wakeup_fd(self._wakeup_fd, warn_on_full_buffer=False)
-
-        def watch() -> None:
-            with os.fdopen(read_fd, "rb", buffering=0) as signals:
-                while byte := signals.read(1):
-                    if byte[0] == signal.SIGTERM and not self._stopping.is_set():
-                        log.info("SIGTERM: ending %d in-flight requests", len(self._in_flight))
-                        self._stopping.set()
-                        self.engine.shutdown()
-
-        self._watcher = threading.Thread(target=watch, name="neo-sigterm", daemon=True)
-        self._watcher.start()
+    def _on_sigterm(self) -> None:
+        if not self._stopping.is_set():
+            log.info("SIGTERM: ending %d in-flight requests", len(self._in_flight))
+            self._stopping.set()
+            self.engine.shutdown()
 
     def is_ready(self) -> bool:
         """Model readiness for Triton releases whose python backend asks the model (python_backend PR #430);
@@ -139,11 +109,9 @@ class TritonPythonModel:
         log.info("shutting down with %d requests in flight", len(self._in_flight))
         self._stopping.set()
         self.engine.shutdown()
-        if self._wakeup_fd is not None and threading.current_thread() is threading.main_thread():
-            signal.set_wakeup_fd(-1)  # before the close: a later signal must not write into a reused fd
-            os.close(self._wakeup_fd)  # ends the watcher thread
+        self._watcher.stop()
         self._outbox.put(None)  # after the engine's final outputs: the sender drains them, then stops
-        for thread, timeout in ((self._sender, SHUTDOWN_DRAIN_S), (self._monitor, 1.0), (self._watcher, 1.0)):
+        for thread, timeout in ((self._sender, SHUTDOWN_DRAIN_S), (self._monitor, 1.0), (self._watcher.thread, 1.0)):
             if thread is not None:
                 thread.join(timeout)
                 if thread.is_alive():
@@ -155,7 +123,7 @@ class TritonPythonModel:
         request_id = uuid.uuid4().hex
         try:
             spec = RequestSpec.parse(request)
-            in_flight = _InFlight(spec, sender, request_id, ResponseWriter(spec, self.engine.tokenizer.decode))
+            in_flight = InFlight(spec, sender, request_id, ResponseWriter(spec, self.engine.tokenizer.decode))
             self._in_flight[request_id] = in_flight
             self.engine.submit(
                 spec.prompt,
@@ -199,13 +167,13 @@ class TritonPythonModel:
             return _error_response("request cancelled", ErrorCode.CANCELLED)
         return _response(writer.add(out))
 
-    def _send(self, request: _InFlight, response: Any) -> None:
+    def _send(self, request: InFlight, response: Any) -> None:
         """Send a delta; a client that went away is treated as a cancellation (the engine frees its blocks)."""
         if not send_quietly(request.sender, response, 0) and not request.cancelled:
             request.cancelled = True
             self.engine.abort(request.request_id)
 
-    def _complete(self, request: _InFlight, response: Any) -> None:
+    def _complete(self, request: InFlight, response: Any) -> None:
         self._in_flight.pop(request.request_id, None)
         with request.lock:
             if not request.completed:
