@@ -108,6 +108,14 @@ class NeoMetrics:
         labels = {**self._labels, **dict([label] if label else [])}
         return self._family(name, self.DESCRIPTIONS[name], kind).Metric(labels=labels)
 
+    def close(self) -> None:
+        """Delete every metric, then their families, now (in finalize, while Triton still answers the stub): one left
+        to the 2.51 stub's own teardown crashes it, as its destructor asks for a stub instance that is gone by then.
+        """
+        for metrics in (self._histograms, self._counters, self._gauges, self._failures):
+            metrics.clear()
+        self._families.clear()
+
     def record(self, metrics: RequestMetrics) -> None:
         """Queue a finished request's latencies for the histograms."""
         self._pending.put(metrics)

@@ -411,3 +411,36 @@ def test_sigterm_watcher_calls_back_on_its_thread_and_ends_when_stopped():
         signal.signal(signal.SIGTERM, previous)
     watcher.thread.join(10)
     assert not watcher.thread.is_alive()
+
+
+def test_close_deletes_every_metric_before_its_family():
+    deleted = []
+
+    class Tracked:
+        def __init__(self, what: str) -> None:
+            self.what = what
+
+        def __del__(self) -> None:
+            deleted.append(self.what)
+
+        def increment(self, n: int) -> None:
+            pass
+
+    class Family(Tracked):
+        HISTOGRAM, COUNTER, GAUGE = "histogram", "counter", "gauge"
+
+        def __init__(self, name: str, description: str, kind: str) -> None:
+            super().__init__("family")
+
+        def Metric(self, labels: dict, buckets: list | None = None) -> Tracked:  # noqa: N802 (pb_utils' name)
+            return Tracked("metric")
+
+    neo = NeoMetrics({"model": "neo", "version": "1"}, Family)
+    neo.count_failure("invalid_request")
+    neo.flush()
+    made = deleted.copy()
+    neo.close()
+    assert made == [] and deleted, "close deleted nothing"
+    assert set(deleted) == {"metric", "family"} and deleted.index("family") > max(
+        i for i, what in enumerate(deleted) if what == "metric"
+    ), deleted

@@ -102,9 +102,10 @@ class TritonPythonModel:
     def finalize(self) -> None:
         """Stop the engine: requests still in flight end with an error response, then the senders drain.
 
-        Every thread of the model is joined before this returns. The stub finalizes Python next; a thread still
-        holding the model then would free the engine's tensors during interpreter shutdown, and torch, taking the
-        GIL back in a tensor's destructor, ends that thread by an unwind that aborts the stub.
+        Every thread of the model is joined, and the metrics deleted, before this returns: the stub tears down and
+        finalizes Python next. A thread still holding the model then frees the engine's tensors during interpreter
+        shutdown, where torch, taking the GIL back in a tensor's destructor, ends that thread by an unwind that
+        aborts the stub; a metric deleted then crashes the stub (`NeoMetrics.close`).
         """
         log.info("shutting down with %d requests in flight", len(self._in_flight))
         self._stopping.set()
@@ -116,6 +117,7 @@ class TritonPythonModel:
                 thread.join(timeout)
                 if thread.is_alive():
                     log.warning("thread %s still running after %.0f s", thread.name, timeout)
+        self.metrics.close()
         log.info("engine stopped")
 
     def _start(self, request: Any) -> None:
