@@ -7,7 +7,10 @@
 
     python bench/pipeline_overlap.py --device cuda      # Llama-3-8B-shaped dummy weights, bf16
 
-Prints, per CPU batch size, pipelined / max(GPU alone, CPU alone); 1.0 is perfect overlap.
+Prints, per CPU batch size, pipelined / max(GPU alone, CPU alone); 1.0 is perfect overlap. With `--split` equal
+to the CPU decodes, sub-batch 1 is empty: the sequential mode, whose iteration is the sum of its parts, so
+pipelined - GPU alone - the kernel's own time in that iteration (`cpu_kernel_ms`) is what the per-layer hand-offs
+cost. The host pool's blocks in use are written first, so the kernel reads DRAM, not the kernel's zero page.
 """
 
 from __future__ import annotations
@@ -24,13 +27,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 from common import LLAMA3_8B, placed_sequence, take_blocks  # noqa: E402
-from timing import median_seconds  # noqa: E402
+from timing import median_seconds, sync  # noqa: E402
 
 from neo_backend import EngineConfig, LLMEngine  # noqa: E402
 from neo_backend.core.sequence import Placement  # noqa: E402
 from neo_backend.cpu.handoff import Flags, IterationLane  # noqa: E402
 from neo_backend.executor.host_attention import HostAttention, HostDecodeBatch  # noqa: E402
 from neo_backend.executor.pipeline import PipelinedExecutor  # noqa: E402
+
+KERNEL_REPS = 5
 
 
 def host_steps(lanes: list[IterationLane], num_layers: int):
@@ -92,6 +97,9 @@ def build_iteration(engine: LLMEngine, gpu_decodes: int, cpu_decodes: int, conte
     vocab = engine.model_config.vocab_size
     gpu_pool = take_blocks(runner.num_gpu_blocks, gpu_decodes * per_seq, rng)
     cpu_pool = take_blocks(runner.num_cpu_blocks, cpu_decodes * per_seq, rng)
+    written = torch.tensor(cpu_pool, dtype=torch.long)
+    for cache in runner.host_cache.k_caches + runner.host_cache.v_caches:
+        cache.index_fill_(0, written, 0.01)
     gpu = [
         placed_sequence(f"g{i}", context, gpu_pool[i * per_seq : (i + 1) * per_seq], Placement.GPU, vocab)
         for i in range(gpu_decodes)
@@ -100,21 +108,31 @@ def build_iteration(engine: LLMEngine, gpu_decodes: int, cpu_decodes: int, conte
         placed_sequence(f"c{i}", context, cpu_pool[i * per_seq : (i + 1) * per_seq], Placement.CPU, vocab)
         for i in range(cpu_decodes)
     ]
-    return [runner.prepare([], gpu, cpu[:split]).sub, runner.prepare([], [], cpu[split:]).sub]
+    subs = [runner.prepare([], gpu, cpu[:split]).sub]
+    if split < cpu_decodes:
+        subs.append(runner.prepare([], [], cpu[split:]).sub)
+    return subs
 
 
 def measure(engine: LLMEngine, gpu_decodes: int, cpu_decodes: int, context: int, split: int | None) -> dict:
     runner = engine.runner
     device, model = runner.device, runner.model
     if split is None:
-        _, _, split = engine.scheduler.best_mode(gpu_decodes, gpu_decodes * context, [context] * cpu_decodes)
+        _, pipelined, split = engine.scheduler.best_mode(gpu_decodes, gpu_decodes * context, [context] * cpu_decodes)
+        split = split if pipelined else cpu_decodes
+    split = min(split, cpu_decodes)
     subs = build_iteration(engine, gpu_decodes, cpu_decodes, context, split, seed=cpu_decodes)
     lane_graphs = runner.pipeline.lane_graphs
     real = PipelinedExecutor(runner.host_attention, lane_graphs)
     instant = PipelinedExecutor(InstantHostAttention(runner.host_attention), lane_graphs)
     capture = CapturingHostAttention(runner.host_attention)
+    host_attention = runner.host_attention
     with torch.inference_mode():
-        pipelined = median_seconds(lambda: real.run(model, subs), device=device, warmup=1)
+        real.run(model, subs)
+        sync(device)
+        host_attention.seconds = 0.0
+        pipelined = median_seconds(lambda: real.run(model, subs), KERNEL_REPS, device=device)
+        cpu_kernel = host_attention.seconds / KERNEL_REPS
         gpu_alone = median_seconds(lambda: instant.run(model, subs), device=device, warmup=1)
         PipelinedExecutor(capture, lane_graphs).run(model, subs)
         done = Flags(len(capture.lanes) * len(model.layers), 0.0)
@@ -134,6 +152,7 @@ def measure(engine: LLMEngine, gpu_decodes: int, cpu_decodes: int, context: int,
         "pipelined_ms": pipelined * 1e3,
         "gpu_alone_ms": gpu_alone * 1e3,
         "cpu_alone_ms": cpu_alone * 1e3,
+        "cpu_kernel_ms": cpu_kernel * 1e3,
         "overlap_ratio": pipelined / max(gpu_alone, cpu_alone),
     }
 
@@ -144,6 +163,7 @@ def main() -> int:
     parser.add_argument("--cpu-decodes", type=int, nargs="+", default=[8, 16, 32])
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--split", type=int, help="CPU decodes in sub-batch 0 (default: the scheduler's choice)")
+    parser.add_argument("--sequential", action="store_true", help="every CPU decode in sub-batch 0 (--split N)")
     parser.add_argument("--json", type=Path)
     EngineConfig.add_cli_args(parser)
     args = parser.parse_args()
@@ -153,18 +173,21 @@ def main() -> int:
     args.offload_policy = "always"
     args.cpu_kv_cache_gb = args.cpu_kv_cache_gb or 8
     engine = LLMEngine(EngineConfig.from_cli_args(args))
-    rows = [measure(engine, args.gpu_decodes, n, args.context, args.split) for n in args.cpu_decodes]
+    rows = [
+        measure(engine, args.gpu_decodes, n, args.context, n if args.sequential else args.split)
+        for n in args.cpu_decodes
+    ]
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     print(
         f"{'gpu':>5} {'cpu':>5} {'split':>5} {'ctx':>6} {'pipelined_ms':>13} {'gpu_alone_ms':>13} "
-        f"{'cpu_alone_ms':>13} ratio"
+        f"{'cpu_alone_ms':>13} {'cpu_kernel_ms':>13} ratio"
     )
     for r in rows:
         print(
             f"{r['gpu_decodes']:5d} {r['cpu_decodes']:5d} {r['split']:5d} {r['context']:6d} "
             f"{r['pipelined_ms']:13.2f} "
-            f"{r['gpu_alone_ms']:13.2f} {r['cpu_alone_ms']:13.2f} {r['overlap_ratio']:.3f}"
+            f"{r['gpu_alone_ms']:13.2f} {r['cpu_alone_ms']:13.2f} {r['cpu_kernel_ms']:13.2f} {r['overlap_ratio']:.3f}"
         )
     return 0
 

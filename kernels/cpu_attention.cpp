@@ -167,17 +167,40 @@ bool thread_scratch(const AttnParams& P, Scratch& sc) {
   return true;
 }
 
+// One call's work: its plan, and the buffers its split sequences merge through.
+struct Job {
+  Plan plan;
+  std::vector<float> seg_buf;
+  std::vector<std::atomic<int>> pending;
+  Segments segs{};
+  ItemFn fn = nullptr;
+  int num_items = 0;
+};
+
+bool bad_shape(const AttnParams& P, int num_threads) {
+  return P.B < 0 || P.Hq <= 0 || P.Hkv <= 0 || P.Hq % P.Hkv != 0 || P.Hq / P.Hkv > 4096 || P.block_size <= 0 ||
+         P.max_blocks < 0 || num_threads <= 0;
+}
+
+int prepare_job(const AttnParams& P, int num_threads, bool split_long, Job& job) {
+  job.fn = select_item_fn(P.kv_dtype, P.D);
+  if (!job.fn) return kUnsupported;
+  job.plan = make_plan(P, num_threads, split_long);
+  job.seg_buf.resize(size_t(job.plan.num_segments) * P.Hq * (P.D + 2));
+  std::vector<std::atomic<int>> pending(job.plan.pending.size());
+  for (size_t i = 0; i < pending.size(); ++i) pending[i].store(job.plan.pending[i], std::memory_order_relaxed);
+  job.pending.swap(pending);
+  job.segs = {job.seg_buf.data(), job.pending.data(), job.plan.seg_first.data(), job.plan.seg_count.data()};
+  job.num_items = int(job.plan.items.size());
+  return kOk;
+}
+
 int run_attention(const AttnParams& P, int num_threads, bool split_long) {
-  const ItemFn fn = select_item_fn(P.kv_dtype, P.D);
-  if (!fn) return kUnsupported;
-  const Plan plan = make_plan(P, num_threads, split_long);
-  thread_local std::vector<float> seg_buf;  // per calling thread: concurrent callers stay independent
-  seg_buf.resize(size_t(plan.num_segments) * P.Hq * (P.D + 2));
-  std::vector<std::atomic<int>> pending(plan.pending.size());
-  for (size_t i = 0; i < pending.size(); ++i) pending[i].store(plan.pending[i], std::memory_order_relaxed);
-  const Segments segs{seg_buf.data(), pending.data(), plan.seg_first.data(), plan.seg_count.data()};
-  const int n_items = int(plan.items.size());
-  const int threads = std::max(1, std::min(num_threads, n_items));
+  thread_local Job caller_job;  // per calling thread: concurrent callers stay independent
+  Job& job = caller_job;        // the team shares the caller's, not their own thread_local copies
+  const int prepared = prepare_job(P, num_threads, split_long, job);
+  if (prepared != kOk) return prepared;
+  const int threads = std::max(1, std::min(num_threads, job.num_items));
   std::atomic<int> status{kOk};
 #pragma omp parallel num_threads(threads)
   {
@@ -186,10 +209,35 @@ int run_attention(const AttnParams& P, int num_threads, bool split_long) {
     if (!ok) status.store(kNoMemory);
     // Split sequences are merged by their last item, so there is no barrier between items and merges.
 #pragma omp for schedule(dynamic, 1) nowait
-    for (int i = 0; i < n_items; ++i)
-      if (ok) fn(P, plan.items[i], sc, segs);
+    for (int i = 0; i < job.num_items; ++i)
+      if (ok) job.fn(P, job.plan.items[i], sc, job.segs);
   }
   return status.load();
+}
+
+constexpr double kNoTimeout = -1.0;
+
+// Spins until done() holds: for spin_s with a pause per check, then with a 20 us nap between checks (a waiter
+// without a core of its own). Returns false once timeout_s has passed (never with kNoTimeout).
+template <typename Done>
+bool wait_until(Done done, double spin_s, double timeout_s) {
+  using Clock = std::chrono::steady_clock;
+  using Seconds = std::chrono::duration<double>;
+  const auto start = Clock::now();
+  const auto spin_end = start + std::chrono::duration_cast<Clock::duration>(Seconds(spin_s));
+  const auto deadline = timeout_s < 0 ? Clock::time_point::max()
+                                      : start + std::chrono::duration_cast<Clock::duration>(Seconds(timeout_s));
+  const timespec nap{0, 20000};
+  for (unsigned checks = 0;; ++checks) {
+    if (done()) return true;
+    if ((checks & 255) != 255) {
+      _mm_pause();
+      continue;
+    }
+    const auto now = Clock::now();
+    if (now >= deadline) return false;
+    if (now >= spin_end) nanosleep(&nap, nullptr);
+  }
 }
 
 }  // namespace
@@ -215,12 +263,10 @@ NEO_API int neo_paged_attention(const void* q, int q_dtype, const void* k_cache,
                                 const int32_t* block_tables, const int32_t* context_lens, void* out, int B, int Hq,
                                 int Hkv, int D, int block_size, int max_blocks, float scale, int num_threads,
                                 int split_long) {
-  if (B < 0 || Hq <= 0 || Hkv <= 0 || Hq % Hkv != 0 || Hq / Hkv > 4096 || block_size <= 0 || max_blocks < 0 ||
-      num_threads <= 0)
-    return kBadArgument;
-  if (B == 0) return kOk;
   const AttnParams P{q, q_dtype, k_cache, v_cache, kv_dtype, block_tables, context_lens, out,
                      B, Hq, Hkv, D, block_size, max_blocks, scale};
+  if (bad_shape(P, num_threads)) return kBadArgument;
+  if (B == 0) return kOk;
   try {
     return run_attention(P, num_threads, split_long != 0);
   } catch (const std::bad_alloc&) {
@@ -259,24 +305,15 @@ NEO_API double neo_stream_read(const float* p, size_t n, int num_threads) {
 // on a host whose cores the attention team keeps busy; after that it sleeps 20 us between checks. Spin only
 // where the waiter has a core of its own.
 NEO_API int neo_wait_flag(const int64_t* flag, int64_t target, double spin_s, double timeout_s) {
-  using Clock = std::chrono::steady_clock;
-  using Seconds = std::chrono::duration<double>;
-  const auto start = Clock::now();
-  const auto spin_end = start + std::chrono::duration_cast<Clock::duration>(Seconds(spin_s));
-  const auto deadline = start + std::chrono::duration_cast<Clock::duration>(Seconds(timeout_s));
-  const timespec nap{0, 20000};
-  for (unsigned checks = 0;; ++checks) {
-    const int64_t value = __atomic_load_n(flag, __ATOMIC_ACQUIRE);
-    if (value >= target) return kSet;
-    if (value < 0) return kFailed;
-    if ((checks & 255) != 255) {
-      _mm_pause();
-      continue;
-    }
-    const auto now = Clock::now();
-    if (now >= deadline) return kTimedOut;
-    if (now >= spin_end) nanosleep(&nap, nullptr);
-  }
+  int64_t value = 0;
+  const bool seen = wait_until(
+      [&] {
+        value = __atomic_load_n(flag, __ATOMIC_ACQUIRE);
+        return value >= target || value < 0;
+      },
+      spin_s, timeout_s);
+  if (!seen) return kTimedOut;
+  return value < 0 ? kFailed : kSet;
 }
 
 // The CPU side of a whole pipelined iteration in one call, so no Python (and no GIL) sits between layers:
@@ -284,30 +321,77 @@ NEO_API int neo_wait_flag(const int64_t* flag, int64_t target, double spin_s, do
 // record its seconds and publish *done = 1. On an error or a ready flag < 0 (the launching side gave up)
 // every remaining done flag is set to kFlagFailed and the status returned (a kernel status, or kHandOffTimedOut /
 // kAbandoned for a wait that timed out / a step the launching side never gave).
+// The OpenMP team stays in one parallel region for the whole iteration: between steps its threads spin on the
+// step counter (as the ready flag's waiter does, for spin_s), where a region per step let them fall asleep
+// during each layer's device work and paid their wake-up in every step.
 NEO_API int neo_decode_iteration(const int64_t* steps, int num_steps, int q_dtype, int kv_dtype, int Hq, int Hkv,
                                  int D, int block_size, float scale, int num_threads, double spin_s,
                                  double timeout_s, double* seconds) {
   const size_t row_bytes = size_t(Hkv) * D * (kv_dtype == kF32 ? 4 : 2);
+  Job job;
+  AttnParams P{nullptr, q_dtype, nullptr, nullptr, kv_dtype, nullptr, nullptr, nullptr, 0, Hq, Hkv, D, block_size, 0,
+               scale};
+  std::atomic<int> published{-1};  // the step whose job the team may run
+  std::atomic<int> finished{0};    // threads through the current step's items
+  std::atomic<int> next_item{0};
+  std::atomic<bool> stop{false};
+  std::atomic<bool> out_of_memory{false};
   int status = kOk;
   int s = 0;
-  for (; s < num_steps; ++s) {
-    const int64_t* f = steps + size_t(s) * kStepFields;
-    auto ptr = [f](int field) { return reinterpret_cast<void*>(f[field]); };
-    const int waited = neo_wait_flag(static_cast<const int64_t*>(ptr(kReady)), 1, spin_s, timeout_s);
-    if (waited != kSet) {
-      status = waited == kFailed ? kAbandoned : kHandOffTimedOut;
-      break;
+#pragma omp parallel num_threads(std::max(1, num_threads))
+  {
+    const bool leader = omp_get_thread_num() == 0;
+    const int team = omp_get_num_threads();
+    Scratch sc{};
+    bool have_scratch = false;
+    for (int step = 0; step < num_steps; ++step) {
+      const int64_t* f = steps + size_t(step) * kStepFields;
+      auto ptr = [f](int field) { return reinterpret_cast<void*>(f[field]); };
+      std::chrono::steady_clock::time_point start;
+      if (leader) {
+        const int waited =
+            status == kOk ? neo_wait_flag(static_cast<const int64_t*>(ptr(kReady)), 1, spin_s, timeout_s) : kSet;
+        if (status == kOk && waited != kSet) status = waited == kFailed ? kAbandoned : kHandOffTimedOut;
+        start = std::chrono::steady_clock::now();
+        if (status == kOk) {
+          P.B = int(f[kBatch]);
+          neo_append_kv(ptr(kKNew), ptr(kVNew), ptr(kKCache), ptr(kVCache),
+                        static_cast<const int64_t*>(ptr(kSlots)), P.B, row_bytes);
+          P.q = ptr(kQ), P.k_cache = ptr(kKCache), P.v_cache = ptr(kVCache), P.out = ptr(kOut);
+          P.block_tables = static_cast<const int32_t*>(ptr(kTables));
+          P.context_lens = static_cast<const int32_t*>(ptr(kLens));
+          P.max_blocks = int(f[kMaxBlocks]);
+          try {
+            status = bad_shape(P, team) ? kBadArgument : prepare_job(P, team, true, job);
+          } catch (const std::bad_alloc&) {
+            status = kNoMemory;
+          }
+        }
+        if (status != kOk) stop.store(true, std::memory_order_relaxed);
+        next_item.store(0, std::memory_order_relaxed);
+        finished.store(0, std::memory_order_relaxed);
+        published.store(step, std::memory_order_release);
+      } else {
+        wait_until([&] { return published.load(std::memory_order_acquire) >= step; }, spin_s, kNoTimeout);
+      }
+      if (stop.load(std::memory_order_relaxed)) break;
+      if (!have_scratch) {
+        have_scratch = thread_scratch(P, sc);
+        if (!have_scratch) out_of_memory.store(true, std::memory_order_relaxed);
+      }
+      for (int i; (i = next_item.fetch_add(1, std::memory_order_relaxed)) < job.num_items;)
+        if (have_scratch) job.fn(P, job.plan.items[i], sc, job.segs);
+      finished.fetch_add(1, std::memory_order_acq_rel);
+      if (leader) {
+        wait_until([&] { return finished.load(std::memory_order_acquire) == team; }, spin_s, kNoTimeout);
+        seconds[step] = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        if (out_of_memory.load(std::memory_order_relaxed)) status = kNoMemory;
+        if (status == kOk) {
+          __atomic_store_n(static_cast<int64_t*>(ptr(kDone)), int64_t(1), __ATOMIC_RELEASE);
+          s = step + 1;
+        }
+      }
     }
-    const auto start = std::chrono::steady_clock::now();
-    const int batch = int(f[kBatch]);
-    neo_append_kv(ptr(kKNew), ptr(kVNew), ptr(kKCache), ptr(kVCache), static_cast<const int64_t*>(ptr(kSlots)),
-                  batch, row_bytes);
-    status = neo_paged_attention(ptr(kQ), q_dtype, ptr(kKCache), ptr(kVCache), kv_dtype,
-                                 static_cast<const int32_t*>(ptr(kTables)), static_cast<const int32_t*>(ptr(kLens)),
-                                 ptr(kOut), batch, Hq, Hkv, D, block_size, int(f[kMaxBlocks]), scale, num_threads, 1);
-    seconds[s] = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    if (status != kOk) break;
-    __atomic_store_n(static_cast<int64_t*>(ptr(kDone)), int64_t(1), __ATOMIC_RELEASE);
   }
   for (; s < num_steps; ++s)
     __atomic_store_n(reinterpret_cast<int64_t*>(steps[size_t(s) * kStepFields + kDone]), kFlagFailed, __ATOMIC_RELEASE);
