@@ -13,7 +13,10 @@ Three queues: `waiting` (prefill), `running` (KV on the device: prefill chunks a
 6. the performance model picks the CPU decodes that fit the latency bound (auto: the GPU part's predicted
    time times `cpu_latency_slack`) and the mode, sequential or the two-sub-batch pipeline, by predicted tokens/s.
 Under `auto` a request moves to the host only where the model predicts more tokens/s with it there (NEO's
-objective); otherwise the next prompt waits, or the request is preempted by recompute.
+objective); otherwise the next prompt waits, or the request is preempted by recompute. While device memory is
+short (prompts wait for it, or CPU-requests find no room to return) the latency bound is lifted: a waiting
+prompt adds no tokens and its latency grows by whole requests' lifetimes, so the host is judged by the batch it
+will hold once the waiting prompts follow there; and a CPU-request left out of an iteration only waits longer.
 
 The scheduler moves no data: its plan (`SchedulerOutput`) lists the swaps, which the model runner carries out
 before the step. A swap-out started after a step (a finished prefill going to the host) is in flight until the
@@ -56,6 +59,7 @@ class Scheduler:
         self.cpu_running: list[Sequence] = []
         self._swaps_in_flight: dict[str, list[int]] = {}  # request id -> device blocks freed once it lands
         self._swapped_in: set[str] = set()
+        self._stranded = False  # CPU-requests found no room on the device this iteration
         self._skipped: dict[str, int] = {}
         self.num_preemptions = 0
         self.swap_out_blocks = 0
@@ -102,6 +106,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         self._swapped_in.clear()
+        self._stranded = False
         out = SchedulerOutput()
         if self.policy == "auto" and (not self.waiting or self.cpu_behind):
             self._swap_in(out)
@@ -141,6 +146,7 @@ class Scheduler:
             reserve = max(int(GPU_WATERMARK * self.gpu_blocks.num_blocks), len(self.running) + 1)
             need = self.gpu_blocks.blocks_needed(len(seq.token_ids) + 1)
             if len(self.running) + 1 > self.config.max_num_seqs or need + reserve > self.gpu_blocks.num_free_blocks:
+                self._stranded = True
                 return
             gpu = self.gpu_blocks.allocate(len(seq.block_table))
             out.swap_in.append(SwapIn(seq.block_table, list(gpu)))  # a copy: the table grows before the swap runs
@@ -224,14 +230,16 @@ class Scheduler:
         """Choose the CPU decodes of this iteration and the mode, by the performance model.
 
         Under `auto`, CPU work may stretch the iteration to at most `cpu_latency_slack` times what its GPU part alone
-        is predicted to take; CPU-requests left out MAX_SKIPPED_ITERATIONS times in a row run regardless, so
-        none starves. Left-out requests go first next time.
+        is predicted to take, unless device memory is short on a host that keeps up; CPU-requests left out
+        MAX_SKIPPED_ITERATIONS times in a row run regardless, so none starves. Left-out requests go first next time.
         """
         if not ready:
             return
         gpu_tokens, gpu_ctx = out.gpu_work()
         gpu_alone = self.perf.sequential(gpu_tokens, gpu_ctx, 0, 0)
-        bound = gpu_alone * self.config.cpu_latency_slack if self.policy == "auto" and gpu_tokens else float("inf")
+        memory_short = self._stranded or self._prompts_wait_for_memory()
+        bounded = self.policy == "auto" and gpu_tokens and (self.cpu_behind or not memory_short)
+        bound = gpu_alone * self.config.cpu_latency_slack if bounded else float("inf")
         ready = sorted(ready, key=lambda s: -self._skipped.get(s.request_id, 0))
         forced = sum(1 for s in ready if self._skipped.get(s.request_id, 0) >= MAX_SKIPPED_ITERATIONS)
         ctx = [len(s.token_ids) for s in ready]
@@ -276,10 +284,11 @@ class Scheduler:
         if self.policy == "never":
             return
         reserve = int(GPU_WATERMARK * self.gpu_blocks.num_blocks)
+        short = self.gpu_blocks.num_free_blocks < reserve or self._prompts_wait_for_memory()
         for seq, n in out.prefills:
             if seq.num_computed_tokens + n != len(seq.token_ids):
                 continue
-            if self.policy == "always" or self.gpu_blocks.num_free_blocks < reserve:
+            if self.policy == "always" or short:
                 out.offload_after_step.append(seq)
 
     # Movement ---------------------------------------------------------------------------------------------
@@ -323,20 +332,50 @@ class Scheduler:
 
     def _cpu_can_take(self, seq: Sequence) -> bool:
         """Whether moving `seq` to the host pays, by NEO's objective: beside the device's decodes, an iteration with
-        the host's decodes (`seq` among them) must fit the latency bound and yield more tokens/s than the device's
-        decodes alone. Otherwise `seq` is better recomputed later: starved on a slow host, or slowing every device
-        decode more than its own tokens add (a fast GPU beside a host of little memory bandwidth)."""
+        the host's decodes (`seq` among them) must yield more tokens/s than the device's decodes alone and, unless
+        prompts wait for device memory, fit the latency bound. Otherwise `seq` is better recomputed later: starved
+        on a slow host, or slowing every device decode more than its own tokens add (a fast GPU beside a host of
+        little memory bandwidth). While prompts wait, the host's batch is judged as it will be once they have
+        followed `seq` there, beside as many device decodes as now (a prompt takes the room `seq` leaves)."""
         if self.perf is None:
             return True
         if self.cpu_behind:
             return False
-        gpu = [s for s in self.running if s is not seq]
-        gpu_tokens, gpu_ctx = len(gpu), sum(len(s.token_ids) for s in gpu)
         cpu_ctx = [len(s.token_ids) for s in self.cpu_running + [seq]]
+        if self._prompts_wait_for_memory():
+            gpu = self.running
+            cpu_ctx += [len(s.token_ids) for s in self._followers(seq)]
+            bound = float("inf")
+        else:
+            gpu = [s for s in self.running if s is not seq]
+            bound = self.config.cpu_latency_slack
+        gpu_tokens, gpu_ctx = len(gpu), sum(len(s.token_ids) for s in gpu)
         alone = self.perf.sequential(gpu_tokens, gpu_ctx, 0, 0)
         with_cpu = self.best_mode(gpu_tokens, gpu_ctx, cpu_ctx)[0]
         more_tokens_per_s = (gpu_tokens + len(cpu_ctx)) * alone >= gpu_tokens * with_cpu
-        return with_cpu <= alone * self.config.cpu_latency_slack and more_tokens_per_s
+        return with_cpu <= alone * bound and more_tokens_per_s
+
+    def _prompts_wait_for_memory(self) -> bool:
+        """The next prompt's prefill does not fit in the free device blocks."""
+        if not self.waiting:
+            return False
+        head = self.waiting[0]
+        need = self.gpu_blocks.blocks_needed(min(head.num_uncomputed_tokens, self.config.max_num_batched_tokens))
+        return need > self.gpu_blocks.num_free_blocks
+
+    def _followers(self, seq: Sequence) -> list[Sequence]:
+        """The waiting prompts that would follow `seq` to the host: in order, while the host pool and
+        `max_num_seqs` have room for them."""
+        free = self.cpu_blocks.num_free_blocks - len(seq.block_table) - 1
+        slots = self.config.max_num_seqs - len(self.running) - len(self.cpu_running)
+        followers = []
+        for waiting in self.waiting:
+            need = self.cpu_blocks.blocks_needed(len(waiting.token_ids) + 1)
+            if len(followers) == slots or need > free:
+                break
+            followers.append(waiting)
+            free -= need
+        return followers
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         if self.is_swapping_out(seq):  # its host blocks are freed below: the copy into them lands first
