@@ -13,10 +13,10 @@ Three queues: `waiting` (prefill), `running` (KV on the device: prefill chunks a
 6. the performance model picks the CPU decodes that fit the latency bound (auto: the GPU part's predicted
    time times `cpu_latency_slack`) and the mode, sequential or the two-sub-batch pipeline, by predicted tokens/s.
 Under `auto` a request moves to the host only where the model predicts more tokens/s with it there (NEO's
-objective); otherwise the next prompt waits, or the request is preempted by recompute. While device memory is
-short (prompts wait for it, or CPU-requests find no room to return) the latency bound is lifted: a waiting
-prompt adds no tokens and its latency grows by whole requests' lifetimes, so the host is judged by the batch it
-will hold once the waiting prompts follow there; and a CPU-request left out of an iteration only waits longer.
+objective) within the latency bound; otherwise the next prompt waits, or the request is preempted by recompute.
+While prompts wait for device memory, the host is judged by the batch it will hold once they have followed the
+request there. CPU-requests that find no room to return to the device all run in every iteration: left out, they
+would only wait longer.
 
 The scheduler moves no data: its plan (`SchedulerOutput`) lists the swaps, which the model runner carries out
 before the step. A swap-out started after a step (a finished prefill going to the host) is in flight until the
@@ -230,15 +230,15 @@ class Scheduler:
         """Choose the CPU decodes of this iteration and the mode, by the performance model.
 
         Under `auto`, CPU work may stretch the iteration to at most `cpu_latency_slack` times what its GPU part alone
-        is predicted to take, unless device memory is short on a host that keeps up; CPU-requests left out
-        MAX_SKIPPED_ITERATIONS times in a row run regardless, so none starves. Left-out requests go first next time.
+        is predicted to take, unless the CPU-requests found no room to return to the device (on a host that keeps
+        up); CPU-requests left out MAX_SKIPPED_ITERATIONS times in a row run regardless, so none starves. Left-out
+        requests go first next time.
         """
         if not ready:
             return
         gpu_tokens, gpu_ctx = out.gpu_work()
         gpu_alone = self.perf.sequential(gpu_tokens, gpu_ctx, 0, 0)
-        memory_short = self._stranded or self._prompts_wait_for_memory()
-        bounded = self.policy == "auto" and gpu_tokens and (self.cpu_behind or not memory_short)
+        bounded = self.policy == "auto" and gpu_tokens and (self.cpu_behind or not self._stranded)
         bound = gpu_alone * self.config.cpu_latency_slack if bounded else float("inf")
         ready = sorted(ready, key=lambda s: -self._skipped.get(s.request_id, 0))
         forced = sum(1 for s in ready if self._skipped.get(s.request_id, 0) >= MAX_SKIPPED_ITERATIONS)
@@ -332,11 +332,11 @@ class Scheduler:
 
     def _cpu_can_take(self, seq: Sequence) -> bool:
         """Whether moving `seq` to the host pays, by NEO's objective: beside the device's decodes, an iteration with
-        the host's decodes (`seq` among them) must yield more tokens/s than the device's decodes alone and, unless
-        prompts wait for device memory, fit the latency bound. Otherwise `seq` is better recomputed later: starved
-        on a slow host, or slowing every device decode more than its own tokens add (a fast GPU beside a host of
-        little memory bandwidth). While prompts wait, the host's batch is judged as it will be once they have
-        followed `seq` there, beside as many device decodes as now (a prompt takes the room `seq` leaves)."""
+        the host's decodes (`seq` among them) must fit the latency bound and yield more tokens/s than the device's
+        decodes alone. Otherwise `seq` is better recomputed later: starved on a slow host, or slowing every device
+        decode more than its own tokens add (a fast GPU beside a host of little memory bandwidth). While prompts
+        wait for device memory, the host's batch is judged as it will be once they have followed `seq` there,
+        beside as many device decodes as now (a prompt takes the room `seq` leaves)."""
         if self.perf is None:
             return True
         if self.cpu_behind:
@@ -345,15 +345,13 @@ class Scheduler:
         if self._prompts_wait_for_memory():
             gpu = self.running
             cpu_ctx += [len(s.token_ids) for s in self._followers(seq)]
-            bound = float("inf")
         else:
             gpu = [s for s in self.running if s is not seq]
-            bound = self.config.cpu_latency_slack
         gpu_tokens, gpu_ctx = len(gpu), sum(len(s.token_ids) for s in gpu)
         alone = self.perf.sequential(gpu_tokens, gpu_ctx, 0, 0)
         with_cpu = self.best_mode(gpu_tokens, gpu_ctx, cpu_ctx)[0]
         more_tokens_per_s = (gpu_tokens + len(cpu_ctx)) * alone >= gpu_tokens * with_cpu
-        return with_cpu <= alone * bound and more_tokens_per_s
+        return with_cpu <= alone * self.config.cpu_latency_slack and more_tokens_per_s
 
     def _prompts_wait_for_memory(self) -> bool:
         """The next prompt's prefill does not fit in the free device blocks."""

@@ -9,19 +9,21 @@ from neo_backend.core.block_manager import BlockManager
 from neo_backend.core.perf_model import CORRECTION_SMOOTHING, PerfModel
 from neo_backend.core.scheduler import CPU_BEHIND, HOST_SLOW, Scheduler
 from neo_backend.core.scheduler_output import SchedulerOutput
-from neo_backend.core.sequence import Placement, Sequence
+from neo_backend.core.sequence import Placement, Sequence, SequenceStatus
 
 BLOCK = 4
 
 
-def perf(dense_fixed=10e-3, dense_per_token=1e-5, cpu_per_token=1e-6, cpu_per_request=1e-5) -> PerfModel:
+def perf(
+    dense_fixed=10e-3, dense_per_token=1e-5, cpu_per_token=1e-6, cpu_per_request=1e-5, cpu_fixed=0.0
+) -> PerfModel:
     """Dense time on a line, fixed + per_token * tokens (two profiled points)."""
     points = [1, 4096]
     return PerfModel(
         dense_tokens=points,
         dense_seconds=[dense_fixed + dense_per_token * t for t in points],
         gpu_attn_per_token=1e-7,
-        cpu_attn_fixed=0.0,
+        cpu_attn_fixed=cpu_fixed,
         cpu_attn_per_request=cpu_per_request,
         cpu_attn_per_token=cpu_per_token,
     )
@@ -325,3 +327,40 @@ def test_a_busy_host_sends_cpu_requests_back_to_the_gpu_and_a_quiet_one_gets_the
     for _ in range(12):
         run_step(sched)
     assert sched.swap_out_blocks > swapped and sched.cpu_running, "offloading resumes once the host is quiet"
+
+
+def _decoding(i: int, prompt_len: int, pool, placement: Placement) -> Sequence:
+    """A request past its prefill, its KV in `pool`."""
+    seq = request(i, prompt_len)
+    seq.num_computed_tokens = prompt_len - 1
+    seq.status = SequenceStatus.RUNNING
+    seq.placement = placement
+    pool.grow(seq, prompt_len)
+    return seq
+
+
+def test_waiting_prompts_count_in_the_host_batch_an_offload_leads_to():
+    """Host attention with a fixed cost per iteration: beside two device decodes a host batch of two costs more than
+    its tokens add, one of seven pays. A running request moves to the host only when enough prompts wait for device
+    memory to follow it there; otherwise it is recomputed."""
+    model = perf(dense_fixed=10e-3, dense_per_token=0.0, cpu_per_token=0.0, cpu_per_request=1e-3, cpu_fixed=20e-3)
+    for num_waiting, offloads in ((1, False), (6, True)):
+        sched = make_scheduler("auto", gpu_blocks=4, model=model, cpu_latency_slack=4.0)
+        sched.running = [_decoding(i, 8, sched.gpu_blocks, Placement.GPU) for i in range(2)]
+        for i in range(num_waiting):
+            sched.add(request(10 + i, prompt_len=8))
+        sched.schedule()
+        assert bool(sched.cpu_running) == offloads, num_waiting
+
+
+def test_cpu_requests_without_room_on_the_device_run_in_every_iteration():
+    """Beside a device decode, each CPU decode would break the latency bound; with no room for them on the device
+    they still all run (left out, they would only wait longer)."""
+    model = perf(dense_fixed=10e-3, dense_per_token=0.0, cpu_per_token=0.0, cpu_per_request=10e-3)
+    sched = make_scheduler("auto", gpu_blocks=3, model=model)
+    sched.running = [_decoding(0, 8, sched.gpu_blocks, Placement.GPU)]
+    sched.cpu_running = [_decoding(i, 8, sched.cpu_blocks, Placement.CPU) for i in range(1, 4)]
+    for _ in range(3):
+        out = run_step(sched)
+        assert len(out.gpu_decodes) == 1 and len(out.cpu_decodes) == 3
+    assert out.predicted_time > model.sequential(1, 8, 0, 0) * sched.config.cpu_latency_slack
