@@ -14,9 +14,7 @@ from neo_backend.core.sequence import Placement, Sequence, SequenceStatus
 BLOCK = 4
 
 
-def perf(
-    dense_fixed=10e-3, dense_per_token=1e-5, cpu_per_token=1e-6, cpu_per_request=1e-5, cpu_fixed=0.0
-) -> PerfModel:
+def perf(dense_fixed=10e-3, dense_per_token=1e-5, cpu_per_token=1e-6, cpu_per_request=1e-5, cpu_fixed=0.0) -> PerfModel:
     """Dense time on a line, fixed + per_token * tokens (two profiled points)."""
     points = [1, 4096]
     return PerfModel(
