@@ -5,6 +5,7 @@
 #   bash bench/h200_emulated.sh tests roofline c   # CUDA tests of the partition, its roofline, (c) full H200
 #   bash bench/h200_emulated.sh d                  # (d) A10G-class: Llama-3-8B shape, 24 GB, never and auto
 #   bash bench/h200_emulated.sh e                  # (e) T4-class memory: Llama-2-7B shape (MHA), 16 GB
+#   bash bench/h200_emulated.sh e_always e_sequential  # (e): never against always; its sequential iterations
 # (e) runs on 8 SMs, twice a T4's bandwidth: the smallest partition. The policies of a setting share one engine
 # (bench/serving.py); settings run one after another, as every partition is the device's first 8 SMs.
 # Results in $OUT. TOKENIZER names a tokenizer directory, as for bench/h200.sh.
@@ -33,6 +34,16 @@ SERVE=(python3 bench/serving.py --policies never auto --gpu-sm-count 8 --warmup-
         step 575 "${SERVE[@]}" --model bench/configs/llama2-7b --load-format dummy --gpu-memory-gb 16 \
             --rates 0.1 0.25 0.4 --seconds-per-rate 45 --offline 12 --cpu-kv-cache-gb 48 \
             --json "$OUT/h200_serving_e_t4mem.json" ;;
+      e_always)
+        step 330 python3 bench/serving.py --policies never always --gpu-sm-count 8 --warmup-seconds 10 \
+            --tokenizer "$TOKENIZER" --model bench/configs/llama2-7b --load-format dummy --gpu-memory-gb 16 \
+            --rates 0.5 --seconds-per-rate 45 --offline 12 --cpu-kv-cache-gb 48 \
+            --json "$OUT/h200_serving_e_t4mem_always.json" ;;
+      e_sequential)
+        step 130 python3 bench/pipeline_overlap.py --model bench/configs/llama2-7b --load-format dummy \
+            --gpu-sm-count 8 --num-gpu-blocks 185 --gpu-decodes 2 --context 1100 --cpu-kv-cache-gb 8 \
+            --cpu-decodes 1 2 4 8 --sequential --tokenizer "$TOKENIZER" \
+            --json "$OUT/h200_pipeline_sequential_e_8sm.json" ;;
     esac
   done
 } 2>&1 | tee "$OUT/log_$(IFS=_; echo "$*").txt" | grep -v "INFO\|WARNING"

@@ -73,8 +73,8 @@ def setting(
 ) -> tuple[Roofline, int, float]:
     """(cost model, device KV blocks, host KV GiB) of the emulated settings. The host's terms are fitted to the
     engine's iterations at 8 SMs, Llama-2-7B shape (bench/RESULTS.md): a sequential iteration with one CPU decode
-    at context ~1.1k took 15.8 ms more than the GPU-only one, with two 20.5 ms: ~11 ms of per-layer hand-offs
-    and ~4.6 ms of attention per request (~100 GB/s)."""
+    at context ~1.1k takes ~16-17 ms more than the GPU-only one (~5.6 ms of GPU idle between the layers' segment
+    graphs, the rest the kernel), eight ~58 ms more: ~11 ms fixed and ~5.8 ms per request (~100 GB/s)."""
     if name == "a10g":  # Llama-3-8B (GQA 8 KV heads), 24 GB: 3606 blocks as bench/serving.py sizes it
         return Roofline(16.06e9, 2 * 32 * 8 * 128 * 2, sm8_bw, sm8_flops, host_bw), 3606, 32.0
     if name == "t4mem":  # Llama-2-7B (MHA), 16 GB

@@ -57,20 +57,10 @@ class TritonPythonModel:
         changed = ", ".join(f"{k}={v}" for k, v in config.changed_knobs().items())
         log.info("model %s v%s: loading the engine (%s)", name, version, changed or "all defaults")
         start = time.monotonic()
-        self.engine = StreamingEngine(config)
-        stats = self.engine.stats()
-        pools = f"gpu {stats['gpu_blocks_total']} blocks, cpu {stats.get('cpu_blocks_total', 0)} blocks"
-        log.info(
-            "model %s v%s: engine loaded in %.1f s; KV pools: %s of %d tokens; max_model_len %d",
-            name,
-            version,
-            time.monotonic() - start,
-            pools,
-            config.block_size,
-            self.engine.max_model_len,
-        )
+        self.engine = StreamingEngine(config)  # logs its pools, policy and limits
+        log.info("model %s v%s: engine loaded in %.1f s", name, version, time.monotonic() - start)
         self.metrics = NeoMetrics({"model": name, "version": version}, pb_utils.MetricFamily)
-        self.metrics.refresh(stats)
+        self.metrics.refresh(self.engine.stats())
         self._in_flight: dict[str, InFlight] = {}
         self._outbox: queue.SimpleQueue[tuple[InFlight, RequestOutput] | None] = queue.SimpleQueue()
         self._sender = threading.Thread(target=self._send_loop, name="neo-sender", daemon=True)
