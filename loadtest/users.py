@@ -140,34 +140,17 @@ class StreamingUser(User):
         return True
 
     def _report_success(self, start: float, result: GenerationResult) -> None:
-        fire = self.environment.events.request.fire
-        tokens = result.num_output_tokens
-        if result.ttft is not None:
-            fire(
-                request_type=self.request_type,
-                name="TTFT",
-                response_time=result.ttft * 1000,
-                response_length=0,
-                exception=None,
-                context={},
-            )
-        if result.tpot is not None:
-            fire(
-                request_type=self.request_type,
-                name="TPOT",
-                response_time=result.tpot * 1000,
-                response_length=0,
-                exception=None,
-                context={},
-            )
-        fire(
-            request_type=self.request_type,
-            name="E2E",
-            response_time=result.e2e * 1000,
-            response_length=tokens,
-            exception=None,
-            context={},
-        )
+        timings = (("TTFT", result.ttft, 0), ("TPOT", result.tpot, 0), ("E2E", result.e2e, result.num_output_tokens))
+        for name, seconds, length in timings:
+            if seconds is not None:
+                self.environment.events.request.fire(
+                    request_type=self.request_type,
+                    name=name,
+                    response_time=seconds * 1000,
+                    response_length=length,
+                    exception=None,
+                    context={},
+                )
         if _records is not None:
             _records.write(
                 RequestRecord(
@@ -178,7 +161,7 @@ class StreamingUser(User):
                     tpot=result.tpot,
                     e2e=result.e2e,
                     input_tokens=result.num_input_tokens,
-                    output_tokens=tokens,
+                    output_tokens=result.num_output_tokens,
                 )
             )
 

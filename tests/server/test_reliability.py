@@ -22,7 +22,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from server_utils import wait_for_metrics
+from server_utils import wait_idle
 from tritonclient.utils import InferenceServerException
 
 from client import NeoClient, ServerError
@@ -43,19 +43,12 @@ KNOBS = {
     "offload_policy": "always",
 }
 TIMEOUT_S = 60.0
-DRAIN_TIMEOUT_S = 30.0
 
 
 @pytest.fixture(scope="module")
 def server() -> RunningServer:
     with triton_server(KNOBS) as running:
         yield running
-
-
-def wait_drained(server: RunningServer, timeout: float = DRAIN_TIMEOUT_S) -> list:
-    """The first scrape with no request left in the engine and no KV block used in either pool, within
-    `timeout`."""
-    return wait_for_metrics(server, lambda s: not any(engine_gauges(s).values()), "drained", timeout)
 
 
 def assert_serves(server: RunningServer) -> None:
@@ -146,7 +139,7 @@ def test_cancellation_storm_leaves_no_stuck_request_or_leaked_block(server):
     assert all(r[2] >= 2 for r, _ in completed)
     interrupted_errors = [r[1] for r in results if r[0] != "complete" and r[1] is not None]
     assert all("cancel" in e.lower() for e in interrupted_errors), interrupted_errors[:5]
-    samples = wait_drained(server)
+    samples = wait_idle(server)
     assert metric_value(samples, "neo_swapped_blocks_total", direction="out") > swapped_before, (
         "the storm should exercise the CPU pool (offload_policy=always)"
     )
@@ -194,7 +187,7 @@ def test_burst_beyond_max_queue_size_is_refused_at_once_and_the_server_keeps_ser
         assert all(o[2] == 24 for o in served)
         # Refusals are immediate: far quicker than the served requests' whole generation.
         assert max(o[1] for o in refused) < 10.0, refused
-        samples = wait_drained(small)
+        samples = wait_idle(small)
         assert metric_value(samples, "neo_request_failures_total", reason="queue_full") == len(refused)
         assert_serves(small)
         print(
@@ -398,7 +391,7 @@ def test_fuzzed_requests_get_a_response_or_a_clear_error(server):
 
 def test_server_is_ready_and_drained_after_the_fuzzing(server):
     assert server.is_ready(timeout=5)
-    wait_drained(server)
+    wait_idle(server)
     assert_serves(server)
 
 
