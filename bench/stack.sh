@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# The whole stack as a user runs it, under load: `python -m neo_backend serve` (Triton with the neo model and the
+# OpenAI gateway), the project's locust load test over Triton gRPC, open loop, at each rate of RATES, the engine's
+# Prometheus gauges before and after, then SIGTERM and the time the stack takes to stop. With COMPARE=1 (and
+# NEO_MODEL set), the in-process bench/serving.py at the same rates, knobs and workload afterwards: what the Triton
+# layer costs.
+#
+#   RATES="0.5 1.5" DURATION=60s WORKLOAD=a10g bash bench/stack.sh
+#
+# Engine knobs come as NEO_* variables, as for `make serve` (e.g. NEO_MODEL=bench/configs/llama3-8b
+# NEO_LOAD_FORMAT=dummy NEO_TOKENIZER=DIR NEO_GPU_SM_COUNT=8 NEO_NUM_GPU_BLOCKS=3606 NEO_OFFLOAD_POLICY=auto).
+# Logs and the load test's results land in $OUT (default bench/results/tmp/stack). Exit status 0 only when the
+# stack became ready, every request succeeded, the KV pools drained, and the stack stopped cleanly within 15 s.
+set -u
+PY="${PYTHON:-python3}"
+RATES="${RATES:-0.5 1.5}"
+DURATION="${DURATION:-60s}"
+WORKLOAD="${WORKLOAD:-a10g}"
+READY_TIMEOUT_S="${READY_TIMEOUT_S:-900}"
+OUT="${OUT:-bench/results/tmp}/stack"
+mkdir -p "$OUT"
+HOST="${NEO_HOST:-127.0.0.1}"
+HEALTH="http://$HOST:${NEO_HTTP_PORT:-8000}/v2/health/ready"
+METRICS="http://$HOST:${NEO_METRICS_PORT:-8002}/metrics"
+status=0
+fail() { echo "FAIL: $*"; status=1; }
+gauges() { curl -s --max-time 5 "$METRICS" | grep -E '^neo_(requests|kv_blocks_used|kv_blocks_total)' ; }
+
+setsid "$PY" -m neo_backend serve >"$OUT/serve.log" 2>&1 &
+SERVE_PID=$!
+deadline=$((SECONDS + READY_TIMEOUT_S))
+until curl -sf --max-time 2 "$HEALTH" >/dev/null; do
+  if ! kill -0 "$SERVE_PID" 2>/dev/null; then fail "the stack exited before it was ready"; tail -40 "$OUT/serve.log"; exit 1; fi
+  if ((SECONDS > deadline)); then fail "not ready within ${READY_TIMEOUT_S}s"; kill -TERM -- -"$SERVE_PID"; exit 1; fi
+  sleep 2
+done
+echo "=== ready after ${SECONDS}s; the log's last lines:"
+tail -8 "$OUT/serve.log"
+echo "=== gauges before the load"; gauges | tee "$OUT/metrics_before.txt"
+
+for rate in $RATES; do
+  echo "=== locust over gRPC, open loop, $rate requests/s, $WORKLOAD workload, $DURATION"
+  "$PY" -m loadtest --api triton --rate "$rate" --workload "$WORKLOAD" --duration "$DURATION" \
+      --results-dir "$OUT/rate_$rate" | tail -12
+  ((PIPESTATUS[0] == 0)) || fail "errors at rate $rate"
+  curl -sf --max-time 2 "$HEALTH" >/dev/null || fail "not ready after the load at rate $rate"
+done
+
+drained=""
+for _ in $(seq 60); do  # in-flight requests finish and the gauges refresh
+  drained=$(gauges | awk '/^neo_(requests|kv_blocks_used)/ && $NF != 0 {busy=1} END {print busy ? "" : "yes"}')
+  [[ -n "$drained" ]] && break
+  sleep 1
+done
+echo "=== gauges after the load"; gauges | tee "$OUT/metrics_after.txt"
+[[ -n "$drained" ]] || fail "requests or KV blocks still in use after the load"
+
+echo "=== SIGTERM"
+start=$SECONDS
+kill -TERM "$SERVE_PID"
+wait "$SERVE_PID"
+rc=$?
+echo "stopped in $((SECONDS - start))s, exit status $rc"
+((SECONDS - start <= 15)) || fail "shutdown took longer than 15 s"
+((rc == 0)) || fail "exit status $rc"
+if grep -n -E "terminate called|Segmentation fault|core dumped|Traceback" "$OUT/serve.log"; then fail "the log shows a crash"; fi
+pgrep -f "tritonserver|triton_python_backend_stub" && fail "processes left behind"
+
+if [[ "${COMPARE:-0}" == 1 ]]; then
+  echo "=== in-process bench/serving.py at the same rates"
+  read -r seconds flags < <("$PY" - "$DURATION" <<'PY'
+import os, sys
+from loadtest.__main__ import duration_seconds
+from neo_backend.config import EngineConfig
+knobs = {name: os.environ["NEO_" + name.upper()] for name in EngineConfig.field_names() if "NEO_" + name.upper() in os.environ}
+knobs.pop("offload_policy", None)
+print(duration_seconds(sys.argv[1]), " ".join(f"--{k.replace('_', '-')} {v}" for k, v in knobs.items()))
+PY
+)
+  # shellcheck disable=SC2086
+  "$PY" bench/serving.py --rates $RATES --seconds-per-rate "$seconds" --workload "$WORKLOAD" \
+      --policies "${NEO_OFFLOAD_POLICY:-auto}" $flags --json "$OUT/serving.json" 2>&1 | grep -v "INFO\|WARNING" | tail -6
+fi
+exit $status
