@@ -7,6 +7,9 @@
 #
 #   RATES="0.5 1.5" DURATION=60s WORKLOAD=a10g bash bench/stack.sh
 #
+# LOADTEST_ARGS adds flags of `python -m loadtest` (e.g. "--output-tokens 8" for the fixed workload on a CPU); the
+# comparison replays the same workload only for a10g (the two tools' fixed lengths are set apart).
+#
 # Engine knobs come as NEO_* variables, as for `make serve` (e.g. NEO_MODEL=bench/configs/llama3-8b
 # NEO_LOAD_FORMAT=dummy NEO_TOKENIZER=DIR NEO_GPU_SM_COUNT=8 NEO_NUM_GPU_BLOCKS=3606 NEO_OFFLOAD_POLICY=auto).
 # Logs and the load test's results land in $OUT (default bench/results/tmp/stack). Exit status 0 only when the
@@ -41,7 +44,7 @@ echo "=== gauges before the load"; gauges | tee "$OUT/metrics_before.txt"
 for rate in $RATES; do
   echo "=== locust over gRPC, open loop, $rate requests/s, $WORKLOAD workload, $DURATION"
   "$PY" -m loadtest --api triton --rate "$rate" --workload "$WORKLOAD" --duration "$DURATION" \
-      --results-dir "$OUT/rate_$rate" | tail -12
+      --results-dir "$OUT/rate_$rate" ${LOADTEST_ARGS:-} | tail -12
   ((PIPESTATUS[0] == 0)) || fail "errors at rate $rate"
   curl -sf --max-time 2 "$HEALTH" >/dev/null || fail "not ready after the load at rate $rate"
 done
@@ -80,5 +83,6 @@ PY
   # shellcheck disable=SC2086
   "$PY" bench/serving.py --rates $RATES --seconds-per-rate "$seconds" --workload "$WORKLOAD" \
       --policies "${NEO_OFFLOAD_POLICY:-auto}" $flags --json "$OUT/serving.json" 2>&1 | grep -v "INFO\|WARNING" | tail -6
+  ((PIPESTATUS[0] == 0)) || fail "bench/serving.py failed"
 fi
 exit $status
