@@ -11,14 +11,15 @@ import torch
 
 from ..core.perf_model import PerfModel, fit_plane, load_cached, median_time, save
 from ..cpu import library
+from ..cpu.handoff import Flags, IterationLane
 from ..layers.attention import AttentionMetadata
 from ..layers.paged_decode import decode_attention
-from .host_attention import HostDecodeBatch
 
 log = logging.getLogger("neo_backend")
 
 CPU_DEVICE_MAX_PROFILE_TOKENS = 256  # the torch-on-CPU "device" of tests is slow
 DENSE_PROFILE_TOKENS = (1, 8, 16, 32, 64, 128, 256, 512, 1024)  # and the iteration's token budget
+PROFILE_TIMEOUT_S = 60.0  # every flag is set up front: a call that takes this long has failed
 
 
 def load_or_profile(runner) -> PerfModel:
@@ -34,7 +35,7 @@ def load_or_profile(runner) -> PerfModel:
         "isa": library.active_isa(runner.host_attention.kernels.lib),
         "cuda_graphs": runner.decode_graphs is not None,
         "gpu_sm_count": runner.config.gpu_sm_count,
-        "version": 4,
+        "version": 5,
     }
     key = hashlib.sha256(json.dumps(key_fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
     path = runner.config.cache_path / "profiles" / f"{key}.json"
@@ -113,24 +114,27 @@ def _gpu_attention_per_token(runner, sync) -> float:
 
 
 def _cpu_attention_fit(runner) -> tuple[float, float, float]:
-    """Host attention of one iteration (append + attention in every layer, as `HostAttention.run` does), fitted
-    by requests and context tokens. Each layer reads its own cache, so the reads come from DRAM as in serving;
-    timing one layer over and over would measure the last-level cache (300 MiB on the H200's host)."""
+    """Host attention of one iteration, fitted by requests and context tokens: append + attention in every layer in
+    the one library call the pipeline makes (`HostAttention.run_iteration`), every layer's inputs ready. Each
+    layer reads its own cache, so the reads come from DRAM as in serving; timing one layer over and over would
+    measure the last-level cache (300 MiB on the H200's host)."""
     cfg, bs = runner.model_cfg, runner.block_size
     host_cache, host = runner.host_cache, runner.host_attention
     dtype = host_cache.k_caches[0].dtype
+    ready, done = Flags(cfg.num_layers, 0.0), Flags(cfg.num_layers, 0.0)
+    ready.values[:] = 1
     rows, times = [], []
     for batch, context in ((1, 256), (4, 1024), (8, 1024), (16, 512), (32, 1024)):
         context = max(bs, min(context, host_cache.num_blocks * bs // batch))  # a small pool: shorter contexts
         q = torch.randn(batch, cfg.num_heads, cfg.head_dim).to(dtype)
         k = torch.randn(batch, cfg.num_kv_heads, cfg.head_dim).to(dtype)
         tables = _random_tables(batch, context, bs, host_cache.num_blocks, "cpu")
-        decode = HostDecodeBatch(tables, torch.full((batch,), context, dtype=torch.int32), tables[:, -1].long() * bs)
-        out = torch.empty_like(q)
+        lens = torch.full((batch,), context, dtype=torch.int32)
+        lane = IterationLane(q, k, k, torch.empty_like(q), tables, lens, tables[:, -1].long() * bs, ready)
 
         def iteration() -> None:
-            for layer in range(cfg.num_layers):
-                host.run(layer, decode, q, k, k, out)
+            done.reset(cfg.num_layers)
+            host.run_iteration([lane], done, PROFILE_TIMEOUT_S)
 
         rows.append((batch, batch * context))
         times.append(median_time(iteration, lambda: None, reps=3))
