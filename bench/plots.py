@@ -1,7 +1,7 @@
 """Figures and headline numbers of the H200 runs: one PNG per serving scenario and bench/results/h200.json.
 
     python bench/plots.py                          # the default inputs under bench/results/
-    python bench/plots.py --serving-b $OUT/h200_serving_b_80gb.json --hf-peer $OUT/h200_hf_peer.json
+    python bench/plots.py --serving-b-80gb $OUT/h200_serving_b_80gb.json --hf-peer $OUT/h200_hf_peer.json
 
 Per scenario (the JSON of `bench/serving.py --json`): throughput in output tokens/s on x against the mean
 per-token latency and the P99 TPOT on y, one curve per offload policy (as in the NEO paper's figures 9-10),
@@ -28,6 +28,10 @@ SCENARIOS = {  # name: (default input, title)
     "e_t4mem": (
         RESULTS / "h200_serving_e_t4mem.json",
         "(e) emulated T4 memory: 8 SMs (twice a T4's bandwidth), 16 GB, Llama-2-7B shape",
+    ),
+    "e_t4mem_always": (
+        RESULTS / "h200_serving_e_t4mem_always.json",
+        "(e) emulated T4 memory, never against always: 8 SMs, 16 GB, Llama-2-7B shape",
     ),
 }
 LATENCY_AXES = (("mean_per_token_latency_s", "mean per-token latency (s)"), ("tpot_p99_s", "P99 TPOT (s)"))
@@ -125,7 +129,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     for name, (default, title) in SCENARIOS.items():
         parser.add_argument(
-            f"--serving-{name.split('_')[0]}", type=Path, default=default, dest=name, help=f"serving.py JSON of {title}"
+            f"--serving-{name.replace('_', '-')}",
+            type=Path,
+            default=default,
+            dest=name,
+            help=f"serving.py JSON of {title}",
         )
     parser.add_argument(
         "--roofline", type=Path, default=RESULTS / "h200_engine_roofline.json", help="bench/engine.py --roofline JSON"
