@@ -86,8 +86,9 @@ class Sampler:
         logits = logits.clone()
         vocab = logits.shape[1]
         for i in rows:
-            banned = [t for t in (*self.eos_token_ids, *seqs[i].params.stop_token_ids) if t < vocab]
-            logits[i, banned] = float("-inf")
+            params = seqs[i].params
+            stops = params.stop_token_ids if params.ignore_eos else (*self.eos_token_ids, *params.stop_token_ids)
+            logits[i, [t for t in stops if t < vocab]] = float("-inf")  # with ignore_eos, EOS is no stop to hold back
         return logits
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

@@ -58,12 +58,13 @@ class OpenAIPenalties(LogitsProcessor):
 
 def _penalised(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
     """One row as the references process it before sampling: repetition penalty over prompt and output, presence
-    and frequency penalties, then min_tokens' ban of EOS and the stop token ids."""
+    and frequency penalties, then min_tokens' ban of the stop token ids and, unless ignore_eos, EOS (vLLM's
+    rule: with ignore_eos, EOS is no stop)."""
     p, ids, scores = seq.params, torch.tensor([seq.token_ids]), logits.unsqueeze(0)
     if p.repetition_penalty != 1.0:
         scores = RepetitionPenaltyLogitsProcessor(p.repetition_penalty)(ids, scores)
     scores = OpenAIPenalties(p.presence_penalty, p.frequency_penalty, seq.num_prompt_tokens)(ids, scores)
-    banned = list(EOS) + p.stop_token_ids
+    banned = ([] if p.ignore_eos else list(EOS)) + p.stop_token_ids
     scores = MinNewTokensLengthLogitsProcessor(seq.num_prompt_tokens, p.min_tokens, banned)(ids, scores)
     return scores[0]
 
@@ -112,12 +113,14 @@ def test_min_tokens_bans_eos_and_stop_token_ids_until_reached():
     id beyond the vocabulary is no error."""
     params = {"max_tokens": 20, "stop_token_ids": [4, 11, VOCAB + 3]}
     seqs = [_seq({**params, "min_tokens": n}) for n in (len(OUTPUT) + 1, len(OUTPUT), 0)]
+    seqs.append(_seq({**params, "min_tokens": len(OUTPUT) + 1, "ignore_eos": True}))
     logits = _logits(len(seqs))
     ours = Sampler(EOS, seed=0)._apply_min_tokens(logits, seqs)
     for row, seq in enumerate(seqs):
         torch.testing.assert_close(ours[row], _penalised(logits[row], seq))
     assert ours[0, [2, 4, 11]].tolist() == [float("-inf")] * 3
-    assert torch.equal(ours[1:], logits[1:]), "a request with min_tokens output tokens is left alone"
+    assert torch.equal(ours[1:3], logits[1:3]), "a request with min_tokens output tokens is left alone"
+    assert ours[3, 2] == logits[3, 2] and ours[3, [4, 11]].tolist() == [float("-inf")] * 2, "ignore_eos: EOS allowed"
 
 
 TRUNCATION_CASES = [(0, 1.0), (3, 1.0), (VOCAB + 5, 1.0), (0, 0.6), (0, 0.01), (6, 0.8), (1, 0.9)]
