@@ -6,10 +6,10 @@ import random
 from pathlib import Path
 
 import torch
-from timing import median_seconds
 
 from neo_backend import SamplingParams
 from neo_backend.core.sequence import Placement, Sequence
+from neo_backend.timing import median_seconds
 
 LLAMA3_8B = str(Path(__file__).parent / "configs" / "llama3-8b")
 

@@ -38,11 +38,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 from common import LLAMA3_8B  # noqa: E402
-from timing import sync  # noqa: E402
 
 from neo_backend import EngineConfig, LLMEngine  # noqa: E402
 from neo_backend.executor.model_runner import resolve_device, resolve_dtype  # noqa: E402
 from neo_backend.models.loader import load_tokenizer, read_model_config, resolve_source  # noqa: E402
+from neo_backend.timing import sync  # noqa: E402
 
 SYSTEMS = ("hf_generate", "hf_generate_batch", "neo")
 WARMUP_PROMPT_LEN, WARMUP_OUTPUT_LEN = 16, 4

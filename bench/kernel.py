@@ -38,12 +38,12 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from kernel_helpers import reference_paged_decode_attention  # noqa: E402
-from timing import median_seconds  # noqa: E402
 
 from neo_backend.cpu import build, library  # noqa: E402
 from neo_backend.cpu.ops import Kernels  # noqa: E402
 from neo_backend.cpu.validation import check_tensor  # noqa: E402
 from neo_backend.executor.host_pool import huge_page_tensor  # noqa: E402
+from neo_backend.timing import median_seconds  # noqa: E402
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 # Working sets are kept at >= 8x the LLC: a large LLC (300 MiB on the H200 host) otherwise keeps part of

@@ -25,10 +25,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from kernel import BENCH_SHAPE, Case, bench_case  # noqa: E402
-from timing import median_seconds  # noqa: E402
 
 from neo_backend.cpu import build, library  # noqa: E402
 from neo_backend.cpu.ops import Kernels  # noqa: E402
+from neo_backend.timing import median_seconds  # noqa: E402
 
 WORKING_TREE = "worktree"
 

@@ -27,13 +27,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 from common import LLAMA3_8B, placed_sequence, take_blocks  # noqa: E402
-from timing import median_seconds, sync  # noqa: E402
 
 from neo_backend import EngineConfig, LLMEngine  # noqa: E402
 from neo_backend.core.sequence import Placement  # noqa: E402
 from neo_backend.cpu.handoff import Flags, IterationLane  # noqa: E402
 from neo_backend.executor.host_attention import HostAttention, HostDecodeBatch  # noqa: E402
 from neo_backend.executor.pipeline import PipelinedExecutor  # noqa: E402
+from neo_backend.timing import median_seconds, sync  # noqa: E402
 
 KERNEL_REPS = 5
 

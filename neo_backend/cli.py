@@ -70,7 +70,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from .triton.server import serve
 
-    return serve(args)
+    return serve()
 
 
 def cmd_prepare_model(args: argparse.Namespace) -> int:

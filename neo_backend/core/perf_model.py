@@ -15,8 +15,6 @@ from __future__ import annotations
 import bisect
 import json
 import logging
-import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -113,18 +111,6 @@ def fit_plane(rows: list[tuple[float, float]], ys: list[float]) -> tuple[float, 
     a = np.array([[1.0, x1, x2] for x1, x2 in rows])
     coef, *_ = np.linalg.lstsq(a, np.array(ys), rcond=None)
     return tuple(float(max(c, 0.0)) for c in coef)
-
-
-def median_time(fn: Callable[[], None], sync: Callable[[], None], reps: int = 5) -> float:
-    fn()
-    sync()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
 
 
 def load_cached(path: Path) -> PerfModel | None:

@@ -9,11 +9,12 @@ from dataclasses import asdict
 
 import torch
 
-from ..core.perf_model import PerfModel, fit_plane, load_cached, median_time, save
+from ..core.perf_model import PerfModel, fit_plane, load_cached, save
 from ..cpu import library
 from ..cpu.handoff import Flags, IterationLane
 from ..layers.attention import AttentionMetadata
 from ..layers.paged_decode import decode_attention
+from ..timing import median_seconds
 
 log = logging.getLogger("neo_backend")
 
@@ -49,13 +50,8 @@ def load_or_profile(runner) -> PerfModel:
     return model
 
 
-def _sync_fn(device: torch.device):
-    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-
-
 @torch.inference_mode()
 def _profile(runner) -> PerfModel:
-    sync = _sync_fn(runner.device)
     cfg, bs = runner.model_cfg, runner.block_size
     max_tokens = min(runner.config.max_num_batched_tokens, runner.num_gpu_blocks * bs)
     if runner.device.type != "cuda":
@@ -64,11 +60,11 @@ def _profile(runner) -> PerfModel:
     dense_times = []
     for i, tokens in enumerate(token_counts):
         log.info("profiling dense layers (%d/%d): %d tokens", i + 1, len(token_counts), tokens)
-        measured = median_time(lambda: _dense_forward(runner, tokens), sync, reps=3)
+        measured = median_seconds(lambda: _dense_forward(runner, tokens), 3, device=runner.device, warmup=1)
         dense_times.append(max(measured, dense_times[-1] if dense_times else 0.0))  # more tokens never cost less
 
     log.info("profiling device decode attention")
-    gpu_per_token = _gpu_attention_per_token(runner, sync) * cfg.num_layers
+    gpu_per_token = _gpu_attention_per_token(runner) * cfg.num_layers
     log.info("profiling host decode attention (%d threads)", runner.host_attention.num_threads)
     cpu_fixed, cpu_per_req, cpu_per_tok = _cpu_attention_fit(runner)
     return PerfModel(token_counts, dense_times, gpu_per_token, cpu_fixed, cpu_per_req, cpu_per_tok)
@@ -98,7 +94,7 @@ def _random_tables(batch: int, context: int, block_size: int, num_blocks: int, d
     return torch.randint(0, num_blocks, (batch, per_seq), dtype=torch.int32, device=device)
 
 
-def _gpu_attention_per_token(runner, sync) -> float:
+def _gpu_attention_per_token(runner) -> float:
     cfg, bs, device = runner.model_cfg, runner.block_size, runner.device
     k, v = runner.k_caches[0], runner.v_caches[0]
     points = []
@@ -106,7 +102,7 @@ def _gpu_attention_per_token(runner, sync) -> float:
         q = torch.randn(batch, cfg.num_heads, cfg.head_dim, dtype=runner.dtype, device=device)
         tables = _random_tables(batch, context, bs, runner.num_gpu_blocks, device)
         lens = torch.full((batch,), context, dtype=torch.int32, device=device)
-        t = median_time(lambda: decode_attention(q, k, v, tables, lens, cfg.head_dim**-0.5), sync)
+        t = median_seconds(lambda: decode_attention(q, k, v, tables, lens, cfg.head_dim**-0.5), device=device, warmup=1)
         points.append((batch * context, t))
     (small_tokens, small_t), (large_tokens, large_t) = points
     slope = (large_t - small_t) / (large_tokens - small_tokens)
@@ -137,5 +133,5 @@ def _cpu_attention_fit(runner) -> tuple[float, float, float]:
             host.run_iteration([lane], done, PROFILE_TIMEOUT_S)
 
         rows.append((batch, batch * context))
-        times.append(median_time(iteration, lambda: None, reps=3))
+        times.append(median_seconds(iteration, 3, warmup=1))
     return fit_plane(rows, times)

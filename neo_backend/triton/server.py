@@ -314,7 +314,7 @@ def stop_gateway(process: subprocess.Popen) -> int:
         return process.wait(EXIT_TIMEOUT_S)
 
 
-def serve(args: object = None) -> int:
+def serve() -> int:
     """Run tritonserver, and the OpenAI gateway beside it unless NEO_OPENAI_PORT=off, in the foreground until
     either exits; SIGTERM or SIGINT stops both (see `stop_server`)."""
     address = ServerAddress.from_env()

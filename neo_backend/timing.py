@@ -1,4 +1,5 @@
-"""Wall-clock timing for the benchmarks: the median of repeated calls, which a noisy shared machine calls for."""
+"""Wall-clock timing for the start-up profile and the benchmarks: the median of repeated calls, which a noisy shared
+machine calls for."""
 
 from __future__ import annotations
 
