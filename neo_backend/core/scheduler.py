@@ -9,7 +9,8 @@ Three queues: `waiting` (prefill), `running` (KV on the device: prefill chunks a
    recompute when the host pool cannot take it (or the policy is `never`);
 4. CPU-requests grow in the host pool (preempted by recompute on a shortage);
 5. waiting prompts are admitted within the token budget and `max_num_seqs`; a finished prefill is moved to
-   the host pool after the step when the policy is `always`, or under `auto` when the device is nearly full;
+   the host pool after the step when the policy is `always`, or under `auto` when the device is nearly full or
+   prompts wait for its memory (and the move pays);
 6. the performance model picks the CPU decodes that fit the latency bound (auto: the GPU part's predicted
    time times `cpu_latency_slack`) and the mode, sequential or the two-sub-batch pipeline, by predicted tokens/s.
 Under `auto` a request moves to the host only where the model predicts more tokens/s with it there (NEO's
