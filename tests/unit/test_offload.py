@@ -97,9 +97,12 @@ def test_auto_backs_off_when_cpu_attention_is_slowed(tiny_model_dirs, workload, 
     real_iteration = Kernels.decode_iteration
 
     def slow_iteration(*args, **kwargs):
-        _time.sleep(0.02)
+        # twice what an iteration without CPU work measures (the fixed model predicts 10 ms for any): a busy test
+        # machine's slow iterations cannot hide it
+        delay = max(0.02, 2 * 0.01 * engine.perf_model.gpu_only_ratio)
+        _time.sleep(delay)
         seconds = real_iteration(*args, **kwargs)
-        return seconds + 0.02 / len(seconds)
+        return seconds + delay / len(seconds)
 
     monkeypatch.setattr(Kernels, "decode_iteration", slow_iteration)
     sched = engine.scheduler
