@@ -167,11 +167,7 @@ class Scheduler:
             self._preempt(seq, out)
 
     def _make_room_for_admission(self, out: SchedulerOutput) -> None:
-        if not self.waiting:
-            return
-        head = self.waiting[0]
-        need = self.gpu_blocks.blocks_needed(min(head.num_uncomputed_tokens, self.config.max_num_batched_tokens))
-        while self.gpu_blocks.num_free_blocks < need:
+        while self._prompts_wait_for_memory():
             victim = self._newest_swappable()
             if victim is None or not self._swap_out_now(victim, out):
                 return
