@@ -316,6 +316,28 @@ NEO_API int neo_wait_flag(const int64_t* flag, int64_t target, double spin_s, do
   return value < 0 ? kFailed : kSet;
 }
 
+// The leader's part of an iteration's step before the team runs it: wait for the device's q/k/v (`start` is
+// when they came), append k/v, and plan the step's work into `P` and `job`. Returns a Status or IterationStatus.
+static int begin_step(const int64_t* f, size_t row_bytes, int team, double spin_s, double timeout_s, AttnParams& P,
+                      Job& job, std::chrono::steady_clock::time_point& start) {
+  auto ptr = [f](int field) { return reinterpret_cast<void*>(f[field]); };
+  const int waited = neo_wait_flag(static_cast<const int64_t*>(ptr(kReady)), 1, spin_s, timeout_s);
+  start = std::chrono::steady_clock::now();
+  if (waited != kSet) return waited == kFailed ? kAbandoned : kHandOffTimedOut;
+  P.B = int(f[kBatch]);
+  neo_append_kv(ptr(kKNew), ptr(kVNew), ptr(kKCache), ptr(kVCache), static_cast<const int64_t*>(ptr(kSlots)), P.B,
+                row_bytes);
+  P.q = ptr(kQ), P.k_cache = ptr(kKCache), P.v_cache = ptr(kVCache), P.out = ptr(kOut);
+  P.block_tables = static_cast<const int32_t*>(ptr(kTables));
+  P.context_lens = static_cast<const int32_t*>(ptr(kLens));
+  P.max_blocks = int(f[kMaxBlocks]);
+  try {
+    return bad_shape(P, team) ? kBadArgument : prepare_job(P, team, true, job);
+  } catch (const std::bad_alloc&) {
+    return kNoMemory;
+  }
+}
+
 // The CPU side of a whole pipelined iteration in one call, so no Python (and no GIL) sits between layers:
 // for each step in order, wait until *ready >= 1 (the device has copied its q/k/v down), append k/v, attend,
 // record its seconds and publish *done = 1. On an error or a ready flag < 0 (the launching side gave up)
@@ -346,27 +368,9 @@ NEO_API int neo_decode_iteration(const int64_t* steps, int num_steps, int q_dtyp
     bool have_scratch = false;
     for (int step = 0; step < num_steps; ++step) {
       const int64_t* f = steps + size_t(step) * kStepFields;
-      auto ptr = [f](int field) { return reinterpret_cast<void*>(f[field]); };
       std::chrono::steady_clock::time_point start;
       if (leader) {
-        const int waited =
-            status == kOk ? neo_wait_flag(static_cast<const int64_t*>(ptr(kReady)), 1, spin_s, timeout_s) : kSet;
-        if (status == kOk && waited != kSet) status = waited == kFailed ? kAbandoned : kHandOffTimedOut;
-        start = std::chrono::steady_clock::now();
-        if (status == kOk) {
-          P.B = int(f[kBatch]);
-          neo_append_kv(ptr(kKNew), ptr(kVNew), ptr(kKCache), ptr(kVCache),
-                        static_cast<const int64_t*>(ptr(kSlots)), P.B, row_bytes);
-          P.q = ptr(kQ), P.k_cache = ptr(kKCache), P.v_cache = ptr(kVCache), P.out = ptr(kOut);
-          P.block_tables = static_cast<const int32_t*>(ptr(kTables));
-          P.context_lens = static_cast<const int32_t*>(ptr(kLens));
-          P.max_blocks = int(f[kMaxBlocks]);
-          try {
-            status = bad_shape(P, team) ? kBadArgument : prepare_job(P, team, true, job);
-          } catch (const std::bad_alloc&) {
-            status = kNoMemory;
-          }
-        }
+        if (status == kOk) status = begin_step(f, row_bytes, team, spin_s, timeout_s, P, job, start);
         if (status != kOk) stop.store(true, std::memory_order_relaxed);
         next_item.store(0, std::memory_order_relaxed);
         finished.store(0, std::memory_order_relaxed);
@@ -387,7 +391,7 @@ NEO_API int neo_decode_iteration(const int64_t* steps, int num_steps, int q_dtyp
         seconds[step] = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
         if (out_of_memory.load(std::memory_order_relaxed)) status = kNoMemory;
         if (status == kOk) {
-          __atomic_store_n(static_cast<int64_t*>(ptr(kDone)), int64_t(1), __ATOMIC_RELEASE);
+          __atomic_store_n(reinterpret_cast<int64_t*>(f[kDone]), int64_t(1), __ATOMIC_RELEASE);
           s = step + 1;
         }
       }
