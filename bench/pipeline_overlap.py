@@ -122,11 +122,10 @@ def measure(engine: LLMEngine, gpu_decodes: int, cpu_decodes: int, context: int,
         split = split if pipelined else cpu_decodes
     split = min(split, cpu_decodes)
     subs = build_iteration(engine, gpu_decodes, cpu_decodes, context, split, seed=cpu_decodes)
-    lane_graphs = runner.pipeline.lane_graphs
-    real = PipelinedExecutor(runner.host_attention, lane_graphs)
-    instant = PipelinedExecutor(InstantHostAttention(runner.host_attention), lane_graphs)
-    capture = CapturingHostAttention(runner.host_attention)
-    host_attention = runner.host_attention
+    lane_graphs, host_attention = runner.pipeline.lane_graphs, runner.host_attention
+    real = PipelinedExecutor(host_attention, lane_graphs)
+    instant = PipelinedExecutor(InstantHostAttention(host_attention), lane_graphs)
+    capture = CapturingHostAttention(host_attention)
     with torch.inference_mode():
         real.run(model, subs)
         sync(device)
@@ -139,7 +138,7 @@ def measure(engine: LLMEngine, gpu_decodes: int, cpu_decodes: int, context: int,
 
         def cpu_part() -> None:
             done.reset(done.size)
-            runner.host_attention.run_iteration(capture.lanes, done, 60.0)
+            host_attention.run_iteration(capture.lanes, done, 60.0)
 
         cpu_alone = median_seconds(cpu_part, device=device, warmup=1)
     for executor in (real, instant):
