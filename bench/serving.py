@@ -4,6 +4,7 @@ policy changes between runs), the same traces and knobs.
 
     python bench/serving.py --gpu-memory-gb 24 --rates 1 2 4 6 8 --policies never auto always
     python bench/serving.py --gpu-memory-gb 24 --gpu-sm-count 8 --rates 0.5 1 2 --offline 100   # A10G-class
+    python bench/serving.py --replay-records results/rate_1/requests.jsonl   # the load a `python -m loadtest` run sent
 
 Per rate: requests/s, output tokens/s, mean per-token latency (the NEO paper's metric: mean over requests of
 (end - start) / output tokens), P50/P99 TTFT and TPOT, the mean decode batch on the GPU and on the CPU; requests
@@ -32,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import LLAMA3_8B  # noqa: E402
 
+from loadtest.records import read_records  # noqa: E402
 from neo_backend import EngineConfig  # noqa: E402
 from neo_backend.streaming import StreamingEngine  # noqa: E402
 
@@ -63,6 +65,21 @@ def make_trace(
             prompt_len, out = fixed
         trace.append((t, [rng.randrange(vocab) for _ in range(prompt_len)], out))
     return trace
+
+
+def trace_from_records(path: Path, vocab: int, seed: int = 0) -> list[tuple[float, list[int], int]]:
+    """The load one `python -m loadtest` run sent, from its requests.jsonl: each request's arrival offset, its
+    prompt length as the server counted it (random ids) and the output tokens it received."""
+    rng = random.Random(seed)
+    records = sorted((r for r in read_records(path) if r.input_tokens), key=lambda r: r.start)
+    if not records:
+        raise SystemExit(f"{path}: no request with a server-counted prompt length to replay")
+    t0 = records[0].start
+    return [(r.start - t0, [rng.randrange(vocab) for _ in range(r.input_tokens)], r.output_tokens) for r in records]
+
+
+def arrival_rate(trace: list[tuple[float, list[int], int]]) -> float:
+    return (len(trace) - 1) / trace[-1][0] if len(trace) > 1 and trace[-1][0] > 0 else float("inf")
 
 
 def replay(front: StreamingEngine, trace, timeout_s: float) -> list[Record]:
@@ -212,6 +229,11 @@ def start_engine(args: argparse.Namespace, policy: str) -> StreamingEngine:
     return StreamingEngine(config)
 
 
+def rate_trace(rate: float, args: argparse.Namespace, vocab: int) -> list[tuple[float, list[int], int]]:
+    num = max(8, math.ceil(rate * args.seconds_per_rate)) if args.seconds_per_rate else args.num_requests
+    return make_trace(num, rate, args.workload, vocab, int(rate * 1000), tuple(args.fixed))
+
+
 def trace_vocab(front: StreamingEngine) -> int:
     """Token ids a trace may use: in both the model's vocabulary and the tokenizer's."""
     return min(front.engine.model_config.vocab_size, len(front.engine.tokenizer))
@@ -242,6 +264,13 @@ def main() -> int:
         "--offline", type=int, default=0, metavar="N", help="also an offline run per policy: N requests, all at t=0"
     )
     parser.add_argument("--workload", choices=["a10g", "fixed"], default="a10g")
+    parser.add_argument(
+        "--replay-records",
+        nargs="+",
+        type=Path,
+        metavar="JSONL",
+        help="instead of --rates: replay the load of these load-test runs (their requests.jsonl), one run each",
+    )
     parser.add_argument("--fixed", nargs=2, type=int, default=[256, 128], metavar=("INPUT", "OUTPUT"))
     parser.add_argument("--slo-factor", type=float, default=1.5)
     parser.add_argument("--timeout", type=float, default=600)
@@ -283,14 +312,17 @@ def main() -> int:
         )
         return row
 
+    traces = (
+        [(arrival_rate(t), t) for t in (trace_from_records(path, vocab) for path in args.replay_records)]
+        if args.replay_records
+        else [(rate, rate_trace(rate, args, vocab)) for rate in args.rates]
+    )
     for policy in args.policies:
         front.engine.set_offload_policy(policy)
         # warm-up, not reported: first-call compiles and allocations would otherwise land in the SLO's baseline
         replay(front, make_trace(8, 100.0, args.workload, vocab, 7, tuple(args.fixed)), args.timeout)
         results[policy] = []
-        for rate in args.rates:
-            num = max(8, math.ceil(rate * args.seconds_per_rate)) if args.seconds_per_rate else args.num_requests
-            trace = make_trace(num, rate, args.workload, vocab, int(rate * 1000), tuple(args.fixed))
+        for rate, trace in traces:
             results[policy].append({"rate": rate, **run(policy, f"rate {rate:6.2f}", trace)})
             save()
         if args.offline:

@@ -2,13 +2,12 @@
 # The whole stack as a user runs it, under load: `python -m neo_backend serve` (Triton with the neo model and the
 # OpenAI gateway), the project's locust load test over Triton gRPC, open loop, at each rate of RATES, the engine's
 # Prometheus gauges before and after, then SIGTERM and the time the stack takes to stop. With COMPARE=1 (and
-# NEO_MODEL set), the in-process bench/serving.py at the same rates, knobs and workload afterwards: what the Triton
-# layer costs.
+# NEO_MODEL set), the in-process bench/serving.py afterwards, with the same knobs, replaying the very load each
+# rate sent (arrival times, prompt and output lengths): the ratio of the two tokens/s is what the Triton layer costs.
 #
 #   RATES="0.5 1.5" DURATION=60s WORKLOAD=a10g bash bench/stack.sh
 #
-# LOADTEST_ARGS adds flags of `python -m loadtest` (e.g. "--output-tokens 8" for the fixed workload on a CPU); the
-# comparison replays the same workload only for a10g (the two tools' fixed lengths are set apart).
+# LOADTEST_ARGS adds flags of `python -m loadtest` (e.g. "--output-tokens 8" for the fixed workload on a CPU).
 #
 # Engine knobs come as NEO_* variables, as for `make serve` (e.g. NEO_MODEL=bench/configs/llama3-8b
 # NEO_LOAD_FORMAT=dummy NEO_TOKENIZER=DIR NEO_GPU_SM_COUNT=8 NEO_NUM_GPU_BLOCKS=3606 NEO_OFFLOAD_POLICY=auto).
@@ -70,19 +69,30 @@ if grep -n -E "terminate called|Segmentation fault|core dumped|Traceback" "$OUT/
 pgrep -f "tritonserver|triton_python_backend_stub" && fail "processes left behind"
 
 if [[ "${COMPARE:-0}" == 1 ]]; then
-  echo "=== in-process bench/serving.py at the same rates"
-  read -r seconds flags < <("$PY" - "$DURATION" <<'PY'
-import os, sys
-from loadtest.__main__ import duration_seconds
+  echo "=== in-process bench/serving.py replaying the load each rate sent"
+  flags=$("$PY" - <<'PY'
+import os
 from neo_backend.config import EngineConfig
 knobs = {name: os.environ["NEO_" + name.upper()] for name in EngineConfig.field_names() if "NEO_" + name.upper() in os.environ}
 knobs.pop("offload_policy", None)
-print(duration_seconds(sys.argv[1]), " ".join(f"--{k.replace('_', '-')} {v}" for k, v in knobs.items()))
+print(" ".join(f"--{k.replace('_', '-')} {v}" for k, v in knobs.items()))
 PY
 )
+  records=()
+  for rate in $RATES; do records+=("$OUT/rate_$rate/requests.jsonl"); done
   # shellcheck disable=SC2086
-  "$PY" bench/serving.py --rates $RATES --seconds-per-rate "$seconds" --workload "$WORKLOAD" \
-      --policies "${NEO_OFFLOAD_POLICY:-auto}" $flags --json "$OUT/serving.json" 2>&1 | grep -v "INFO\|WARNING" | tail -6
+  "$PY" bench/serving.py --replay-records "${records[@]}" --policies "${NEO_OFFLOAD_POLICY:-auto}" $flags \
+      --json "$OUT/serving.json" 2>&1 | grep -v "INFO\|WARNING" | tail -6
   ((PIPESTATUS[0] == 0)) || fail "bench/serving.py failed"
+  "$PY" - "$OUT" $RATES <<'PY' || fail "no comparison"
+import json, sys
+from pathlib import Path
+out, rates = Path(sys.argv[1]), sys.argv[2:]
+rows = next(iter(json.loads((out / "serving.json").read_text())["results"].values()))
+for rate, row in zip(rates, rows):
+    stack = json.loads((out / f"rate_{rate}" / "summary.json").read_text())["output_tokens_per_s"]
+    inproc = row["output_tokens_per_s"]
+    print(f"rate {rate}: output tokens/s through Triton {stack:.1f}, in-process {inproc:.1f}, ratio {stack / inproc:.3f}")
+PY
 fi
 exit $status

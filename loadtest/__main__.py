@@ -161,11 +161,16 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.duration_s} s against {url} ({args.api})",
     )
     write_summary(summary, args.results_dir)
-    plot_percentiles_over_time(records, args.results_dir / "latency.png")
+    written = "locust_*.csv, requests.jsonl, summary.txt"
+    try:
+        plot_percentiles_over_time(records, args.results_dir / "latency.png")
+        written += ", latency.png"
+    except ImportError:
+        print("warning: matplotlib is not installed (pip install -e '.[loadtest]'): no latency.png", file=sys.stderr)
     for error in summary.first_errors:
         print(f"failure: {error}", file=sys.stderr)
     sys.stderr.flush()
-    print(f"results in {args.results_dir}/ (locust_*.csv, requests.jsonl, summary.txt, latency.png)")
+    print(f"results in {args.results_dir}/ ({written})")
     print(summary.table())
     return 0 if summary.errors == 0 and locust.returncode in (0, 1) else 1
 

@@ -9,6 +9,9 @@ Closed loop (default): each user sends its next request when the previous one en
 Open loop (`--rate R`): arrivals are a Poisson process of R requests/s shared by the users (each runs one of
 R/users); a request starts at its arrival time whether or not earlier ones finished, up to `--max-in-flight`
 per user, beyond which an arrival is counted as a failure (`backlog full`) instead of queueing in the client.
+
+At the end of the run no request starts; those in flight finish (within `--request-timeout`) and are reported,
+so a run's figures are not biased towards the requests short enough to end before it did.
 """
 
 from __future__ import annotations
@@ -104,13 +107,15 @@ class StreamingUser(User):
         self.in_flight = Pool(self.opts.max_in_flight)
 
     def on_stop(self) -> None:
-        self.in_flight.kill()  # each request cancels itself on the server as it unwinds
+        self.in_flight.join(timeout=self.opts.request_timeout)
+        self.in_flight.kill()  # past the timeout: each request cancels itself on the server as it unwinds
         self.disconnect()
 
     @task
     def generate(self) -> None:
         if self.opts.rate <= 0:
-            if not self._one_request():
+            # in the pool too, so that stopping this user lets the request finish
+            if not self.in_flight.spawn(self._one_request).get():
                 gevent.sleep(FAILURE_BACKOFF_S)
             return
         per_user_rate = self.opts.rate / max(1, self.environment.runner.user_count)

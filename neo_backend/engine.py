@@ -141,8 +141,8 @@ class LLMEngine:
             raise ConfigError("the offload policy can change only while no request is in flight")
         if policy != "never" and self.runner.offload_policy == "never":
             raise ConfigError(
-                f"offload_policy={policy} needs the host KV pool, which this engine (built under "
-                f"offload_policy={self.config.offload_policy}) does not have"
+                f"offload_policy={policy} needs the host KV pool, and this engine has none: it serves never "
+                f"(built under offload_policy={self.config.offload_policy}; the log's start-up lines say why)"
             )
         self.scheduler.policy = policy
         if self.perf_model is not None:

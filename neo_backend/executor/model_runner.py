@@ -116,6 +116,7 @@ class ModelRunner:
             return
         num_cpu_blocks = int(config.cpu_kv_cache_gb * 2**30) // self.block_bytes
         if num_cpu_blocks == 0:
+            log.info("cpu_kv_cache_gb=%s holds no KV block: offloading is off", config.cpu_kv_cache_gb)
             return
         self.host_cache = HostKVCache(model_cfg, num_cpu_blocks, self.block_size, self.dtype)
         self.swapper = BlockSwapper(

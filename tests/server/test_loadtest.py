@@ -206,3 +206,15 @@ def test_loadtest_open_loop_poisson(server, tmp_path):
     assert "Poisson 2 req/s" in proc.stdout
     records = list(read_records(tmp_path / "requests.jsonl"))
     assert 4 <= len(records) <= 40 and all(r.ok for r in records)
+
+
+def test_loadtest_reports_the_requests_in_flight_at_its_end(server, tmp_path):
+    """Closed loop keeps a request in flight at every moment, so one is running when the duration ends: it
+    finishes and is reported instead of being cancelled and left out."""
+    proc = run_loadtest(
+        server, tmp_path, "--duration", "3s", "--users", "2", "--input-tokens", "16", "--output-tokens", "48"
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = list(read_records(tmp_path / "requests.jsonl"))
+    assert len(records) >= 2 and all(r.ok and r.output_tokens == 48 for r in records)
+    assert max(r.end for r in records) > min(r.start for r in records) + 3
