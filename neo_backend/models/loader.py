@@ -104,7 +104,15 @@ def load_model(
 
 
 def load_tokenizer(source: ModelSource, config: EngineConfig, cfg: ModelConfig) -> Tokenizer:
-    from transformers import AutoTokenizer
+    try:
+        from transformers import AutoTokenizer
+    except ImportError as exc:  # transformers' lazy import hides what failed in its __cause__
+        cause = exc.__cause__ or exc
+        raise ModelLoadError(
+            f"transformers cannot import AutoTokenizer ({type(cause).__name__}: {cause}); a package built for "
+            f"another numpy (scipy, scikit-learn) in this environment is the usual cause: remove it or serve "
+            f"from a clean venv (make install)"
+        ) from exc
 
     if config.tokenizer:
         directory = Path(config.tokenizer)

@@ -146,14 +146,31 @@ def server_env(install: TritonInstall) -> dict[str, str]:
     return env
 
 
-def check_model_importable() -> None:
-    """The stub runs an isolated interpreter (no PYTHONPATH, no working directory): neo_backend must be installed
-    in this environment's site-packages for model.py to import it."""
-    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('neo_backend') is None)"
-    if subprocess.run([sys.executable, "-I", "-c", probe], cwd="/", check=False).returncode != 0:
+def check_stub_environment(install: TritonInstall) -> None:
+    """The stub runs an isolated interpreter (no PYTHONPATH, no working directory) of this environment: it must
+    find neo_backend in its site-packages, and the bundled stub needs numpy < 2 (with numpy 2 it crashes on the
+    first BYTES input)."""
+    probe = (
+        "import importlib.util, sys\n"
+        "if importlib.util.find_spec('neo_backend') is None: sys.exit('neo_backend')\n"
+        "import numpy\n"
+        "print(numpy.__version__)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-I", "-c", probe], cwd="/", capture_output=True, text=True, check=False, timeout=60
+    )
+    if result.stderr.strip() == "neo_backend":
         raise ServerSetupError(
-            f"neo_backend is not installed in {sys.prefix}, and the Triton python backend imports "
-            f"it from there: run `make install` (or `pip install -e .`)"
+            f"neo_backend is not installed for {sys.executable}, and the Triton python backend imports "
+            f"it from that environment: run `make install` (or `pip install -e .`)"
+        )
+    if result.returncode != 0:
+        raise ServerSetupError(f"{sys.executable} cannot import numpy: {result.stderr.strip()[-500:]}")
+    numpy_version = result.stdout.strip()
+    if install.bundled_root is not None and int(numpy_version.split(".")[0]) >= 2:
+        raise ServerSetupError(
+            f"numpy {numpy_version} for {sys.executable}: the bundled Triton python-backend stub needs numpy < 2 "
+            f"(pip install 'numpy<2', as `make install` does)"
         )
 
 
@@ -246,7 +263,7 @@ def launch(
     `extra_args` go to tritonserver as they are (TLS, restricted APIs: see the README's security section).
     """
     install = find_tritonserver()
-    check_model_importable()
+    check_stub_environment(install)
     backend_dir = prepare_backend_dir(install, EngineConfig().cache_path / "triton")
     model_repo = render_model_repository(work_dir / "model_repository", overrides, repository)
     command = build_command(install, model_repo, backend_dir, address, extra_args)

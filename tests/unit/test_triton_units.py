@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,7 +22,13 @@ from neo_backend.triton.metrics import NeoMetrics
 from neo_backend.triton.parameters import engine_config
 from neo_backend.triton.request import RequestSpec
 from neo_backend.triton.responses import ErrorCode, ResponseWriter, is_cancelled, rejection, send_quietly
-from neo_backend.triton.server import knob_overrides
+from neo_backend.triton.server import (
+    ServerSetupError,
+    TritonInstall,
+    check_stub_environment,
+    find_tritonserver,
+    knob_overrides,
+)
 from neo_backend.triton.sigterm import SigtermWatcher
 
 
@@ -444,3 +453,15 @@ def test_close_deletes_every_metric_before_its_family():
     assert set(deleted) == {"metric", "family"} and deleted.index("family") > max(
         i for i, what in enumerate(deleted) if what == "metric"
     ), deleted
+
+
+def test_the_stub_environment_of_this_venv_passes():
+    check_stub_environment(find_tritonserver())
+
+
+def test_an_interpreter_without_neo_backend_is_refused_before_the_server_starts(tmp_path, monkeypatch):
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    monkeypatch.setattr(sys, "executable", str(venv / "bin" / "python"))
+    with pytest.raises(ServerSetupError, match="neo_backend is not installed for .*make install"):
+        check_stub_environment(TritonInstall(Path("/opt/tritonserver/bin/tritonserver")))
