@@ -1,4 +1,7 @@
-"""Llama-family decoder. Parameter names follow Hugging Face's, with q/k/v and gate/up fused at load time."""
+"""Llama-family decoder. Parameter names follow Hugging Face's, with q/k/v and gate/up fused at load time.
+
+Under tensor parallelism (`layers/parallel.py`) each rank builds the same modules at its share of the heads, the
+FFN and the vocabulary, and `load_weights` copies in its slice of each checkpoint tensor."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from ..errors import ModelLoadError
 from ..layers.activation import silu_and_mul
 from ..layers.attention import AttentionMetadata, PagedAttention
 from ..layers.norm import RMSNorm
+from ..layers.parallel import TensorParallel, VocabParallelEmbedding
 from ..layers.rotary import RotaryEmbedding
 
 # HF name suffix -> (fused parameter suffix, shard index)
@@ -22,24 +26,29 @@ _FUSED = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
+_ROW_PARALLEL = ("o_proj", "down_proj")  # split by input columns; every other weight of a layer by output rows
 
 
 class DecoderLayer(nn.Module):
     """A pre-norm decoder layer, split around attention so an executor can interleave sub-batches."""
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, tp: TensorParallel) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.tp = tp
+        self.num_heads = tp.part(cfg.num_heads, "the number of attention heads")
+        self.num_kv_heads = tp.part(cfg.num_kv_heads, "the number of KV heads")
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
+        intermediate = tp.part(cfg.intermediate_size, "the FFN size")
         self.rotary = rotary
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.attn = PagedAttention(layer_idx, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        self.attn = PagedAttention(layer_idx, self.num_heads, self.num_kv_heads, cfg.head_dim)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, cfg.hidden_size, bias=False)
 
     def attention_inputs(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None):
         if residual is None:
@@ -55,8 +64,9 @@ class DecoderLayer(nn.Module):
         return q, k, v, residual
 
     def attention_outputs(self, attn_out: torch.Tensor, residual: torch.Tensor):
-        hidden, residual = self.post_attention_layernorm(self.o_proj(attn_out.flatten(1)), residual)
-        return self.down_proj(silu_and_mul(self.gate_up_proj(hidden))), residual
+        attn_out = self.tp.all_reduce(self.o_proj(attn_out.flatten(1)))
+        hidden, residual = self.post_attention_layernorm(attn_out, residual)
+        return self.tp.all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(hidden)))), residual
 
     def forward(self, positions, hidden, residual, meta: AttentionMetadata):
         q, k, v, residual = self.attention_inputs(positions, hidden, residual)
@@ -64,14 +74,16 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_position: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_position: int, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.config = cfg
+        self.tp = tp = tp or TensorParallel()
         self.rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.rotary) for i in range(cfg.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.rotary, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        vocab_rows = self.embed_tokens.weight.shape[0]
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, vocab_rows, bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
@@ -81,7 +93,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return nn.functional.linear(hidden, weight).float()
+        return self.tp.all_gather_last(nn.functional.linear(hidden, weight)).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in, fusing q/k/v and gate/up; every parameter must be written exactly once."""
@@ -99,7 +111,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name not in params:
                 raise ModelLoadError(f"checkpoint tensor {hf_name} has no place in the model")
-            self._copy(params[name], tensor, self._shard_span(name, shard))
+            self._copy(params[name], self._rank_slice(name, tensor), self._shard_span(name, shard))
             written[name] += 1
         missing = [n for n, count in written.items() if count != expected[n]]
         if missing:
@@ -117,16 +129,21 @@ class LlamaForCausalLM(nn.Module):
             return ".".join(parts[:-2] + [fused, parts[-1]]), shard
         return name, None
 
+    def _rank_slice(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a checkpoint tensor: norms whole, o/down by columns, the rest by rows."""
+        if self.tp.size == 1 or "norm" in name:
+            return tensor
+        return self.tp.shard(tensor, 1 if name.split(".")[-2] in _ROW_PARALLEL else 0)
+
     def _shard_span(self, name: str, shard: int | None) -> tuple[int, int] | None:
-        """(offset, rows) of a q/k/v or gate/up shard inside its fused parameter."""
+        """(offset, rows) of this rank's q/k/v or gate/up slice inside its fused parameter."""
         if shard is None:
             return None
-        cfg = self.config
+        layer = self.layers[0]
         if "qkv_proj" in name:
-            q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-            sizes = [q, kv, kv]
+            sizes = [layer.q_size, layer.kv_size, layer.kv_size]
         else:
-            sizes = [cfg.intermediate_size] * 2
+            sizes = [layer.down_proj.in_features] * 2
         return sum(sizes[:shard]), sizes[shard]
 
     @staticmethod

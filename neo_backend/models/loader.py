@@ -22,6 +22,7 @@ import torch
 
 from ..config import EngineConfig, ModelConfig
 from ..errors import ModelLoadError
+from ..layers.parallel import TensorParallel
 from .llama import LlamaForCausalLM
 from .tokenizer import Tokenizer
 
@@ -73,11 +74,17 @@ def read_model_config(source: ModelSource) -> ModelConfig:
 
 
 def load_model(
-    source: ModelSource, cfg: ModelConfig, max_position: int, dtype: torch.dtype, device: torch.device
+    source: ModelSource,
+    cfg: ModelConfig,
+    max_position: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    tp: TensorParallel | None = None,
 ) -> LlamaForCausalLM:
+    """The model with its weights (this rank's shards under tensor parallelism)."""
     start = time.monotonic()
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, max_position)
+        model = LlamaForCausalLM(cfg, max_position, tp)
     model.to_empty(device=device)
     model.to(dtype)
     model.rotary.build_cache()
