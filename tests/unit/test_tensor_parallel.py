@@ -3,7 +3,6 @@ the logits of the whole model, prefill and greedy decode steps through the paged
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -66,7 +65,6 @@ def test_two_ranks_give_the_whole_model_s_logits(tiny_model_dirs, tmp_path):
     directory = tiny_model_dirs["llama3"]  # GQA 4/2: each rank holds 2 query heads and 1 KV head
     prompt = torch.randint(3, 500, (37,), generator=torch.Generator().manual_seed(1)).tolist()
     reference = greedy_logits(load(directory, TensorParallel()), prompt)
-    os.environ.pop("OMP_NUM_THREADS", None)
     mp.start_processes(_rank, args=(2, directory, prompt, tmp_path), nprocs=2, join=True, start_method="spawn")
     for rank in range(2):
         ours = torch.load(tmp_path / f"rank{rank}.pt")
