@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The whole stack as a user runs it, under load: `python -m neo_backend serve` (Triton with the neo model and the
 # OpenAI gateway), the project's locust load test over Triton gRPC, open loop, at each rate of RATES, the engine's
-# Prometheus gauges before and after, then SIGTERM and the time the stack takes to stop. With COMPARE=1 (and
-# NEO_MODEL set), the in-process bench/serving.py afterwards, with the same knobs, replaying the very load each
-# rate sent (arrival times, prompt and output lengths): the ratio of the two tokens/s is what the Triton layer costs.
+# Prometheus gauges before and after, readiness polled every second under the load, then SIGTERM and the time the
+# stack takes to stop. With COMPARE=1 (and NEO_MODEL set), the in-process bench/serving.py afterwards, with the
+# same knobs, replaying the very load each rate sent (arrival times, prompt and output lengths): the ratio of the
+# two tokens/s is what the Triton layer costs.
 #
 #   RATES="0.5 1.5" DURATION=60s WORKLOAD=a10g bash bench/stack.sh
 #
@@ -12,7 +13,8 @@
 # Engine knobs come as NEO_* variables, as for `make serve` (e.g. NEO_MODEL=bench/configs/llama3-8b
 # NEO_LOAD_FORMAT=dummy NEO_TOKENIZER=DIR NEO_GPU_SM_COUNT=8 NEO_NUM_GPU_BLOCKS=3606 NEO_OFFLOAD_POLICY=auto).
 # Logs and the load test's results land in $OUT (default bench/results/tmp/stack). Exit status 0 only when the
-# stack became ready, every request succeeded, the KV pools drained, and the stack stopped cleanly within 15 s.
+# stack became ready and stayed ready, every request succeeded, the KV pools drained, and the stack stopped
+# cleanly within 15 s.
 set -u
 PY="${PYTHON:-python3}"
 RATES="${RATES:-0.5 1.5}"
@@ -40,13 +42,20 @@ echo "=== ready after ${SECONDS}s; the log's last lines:"
 tail -8 "$OUT/serve.log"
 echo "=== gauges before the load"; gauges | tee "$OUT/metrics_before.txt"
 
+# readiness polled every second under the load: each failed poll is a line in not_ready.log
+: >"$OUT/not_ready.log"
+(while sleep 1; do curl -sf --max-time 2 "$HEALTH" >/dev/null || date +%T >>"$OUT/not_ready.log"; done) &
+POLL_PID=$!
 for rate in $RATES; do
   echo "=== locust over gRPC, open loop, $rate requests/s, $WORKLOAD workload, $DURATION"
   "$PY" -m loadtest --api triton --rate "$rate" --workload "$WORKLOAD" --duration "$DURATION" \
       --results-dir "$OUT/rate_$rate" ${LOADTEST_ARGS:-} | tail -12
   ((PIPESTATUS[0] == 0)) || fail "errors at rate $rate"
-  curl -sf --max-time 2 "$HEALTH" >/dev/null || fail "not ready after the load at rate $rate"
 done
+kill "$POLL_PID"
+wait "$POLL_PID" 2>/dev/null
+polls=$(wc -l <"$OUT/not_ready.log")
+((polls == 0)) || fail "not ready at $polls polls under the load (times in $OUT/not_ready.log)"
 
 drained=""
 for _ in $(seq 60); do  # in-flight requests finish and the gauges refresh
