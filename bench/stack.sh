@@ -80,11 +80,18 @@ pgrep -f "tritonserver|triton_python_backend_stub" && fail "processes left behin
 if [[ "${COMPARE:-0}" == 1 ]]; then
   echo "=== in-process bench/serving.py replaying the load each rate sent"
   flags=$("$PY" - <<'PY'
-import os
+# the served engine's knobs (config.pbtxt, then NEO_*) as bench/serving.py's flags; its policy comes separately
 from neo_backend.config import EngineConfig
-knobs = {name: os.environ["NEO_" + name.upper()] for name in EngineConfig.field_names() if "NEO_" + name.upper() in os.environ}
-knobs.pop("offload_policy", None)
-print(" ".join(f"--{k.replace('_', '-')} {v}" for k, v in knobs.items()))
+from neo_backend.triton.server import DEFAULT_MODEL_REPOSITORY, MODEL_NAME, read_parameters
+served = EngineConfig.from_env(base=EngineConfig.from_strings(read_parameters(DEFAULT_MODEL_REPOSITORY / MODEL_NAME / "config.pbtxt")))
+flags = []
+for name, value in served.changed_knobs().items():
+    flag = "--" + name.replace("_", "-")
+    if isinstance(value, bool):
+        flags.append(flag if value else "--no-" + flag[2:])
+    elif name != "offload_policy" and value is not None:
+        flags += [flag, str(value)]
+print(" ".join(flags))
 PY
 )
   records=()

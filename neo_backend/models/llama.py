@@ -131,7 +131,7 @@ class LlamaForCausalLM(nn.Module):
 
     def _rank_slice(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a checkpoint tensor: norms whole, o/down by columns, the rest by rows."""
-        if self.tp.size == 1 or "norm" in name:
+        if "norm" in name:
             return tensor
         return self.tp.shard(tensor, 1 if name.split(".")[-2] in _ROW_PARALLEL else 0)
 
