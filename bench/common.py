@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 
 import torch
 
-from neo_backend import SamplingParams
+from neo_backend import LLMEngine, SamplingParams
 from neo_backend.core.sequence import Placement, Sequence
 from neo_backend.timing import median_seconds
 
 LLAMA3_8B = str(Path(__file__).parent / "configs" / "llama3-8b")
+DECODE_POINTS = ((64, 1024), (8, 1024), (256, 512))  # (batch, context) of the decode step against its floor
 
 
 def device_copy_bandwidth(device: torch.device) -> float:
@@ -41,3 +43,22 @@ def placed_sequence(name: str, length: int, blocks: list[int], placement: Placem
 
 def take_blocks(pool_size: int, count: int, rng: random.Random) -> list[int]:
     return rng.sample(range(pool_size), count)
+
+
+def full_batch_decode_steps(engine: LLMEngine, batch: int, context: int, measured: int = 8) -> list[float]:
+    """Seconds of the decode-only `engine.step()`s that carry all `batch` requests, their contexts near `context`
+    (requests prefilled early decode in the mixed steps that prefill the rest, so they get that many more tokens)."""
+    rng = random.Random(context)
+    vocab = min(engine.model_config.vocab_size, len(engine.tokenizer))
+    max_tokens = batch * context // engine.config.max_num_batched_tokens + 2 + measured
+    for _ in range(batch):
+        prompt = [rng.randrange(vocab) for _ in range(context - max_tokens // 2)]
+        engine.add_request(prompt, {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
+    times = []
+    while engine.has_unfinished_requests():
+        start = time.perf_counter()
+        engine.step()
+        last = engine.counters.last_iteration
+        if not last.get("prefill_tokens") and last.get("gpu_decodes") == batch:
+            times.append(time.perf_counter() - start)
+    return times[1:] if len(times) > 1 else times

@@ -97,10 +97,13 @@ class PagedAttention(torch.nn.Module):
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
     """Causal (mask=None) or masked attention of one sequence: q [Tq, Hq, D], k/v [Tk, Hkv, D]. SDPA's fused
-    CUDA kernels need 4-D inputs, and the masked one no `enable_gqa`: K/V heads are repeated instead."""
+    CUDA kernels need 4-D inputs. The causal one takes grouped K/V heads as they are (`enable_gqa`: cuDNN's
+    kernel on Hopper); the masked one has no fused kernel for them, so K/V heads are repeated there."""
     group = q.shape[1] // k.shape[1]
-    if group > 1:
+    if group > 1 and mask is not None:
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale)
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=group > 1 and mask is None
+    )
     return out.squeeze(0).transpose(0, 1)

@@ -58,13 +58,21 @@ def decode_attention_reference(q, k_cache, v_cache, block_tables, context_lens, 
     return out.squeeze(2)
 
 
-# Contexts are split into chunks of this many tokens, each chunk one program, merged by log-sum-exp: with one
-# program per (sequence, KV head) a batch of 64 fills only 512 programs, too few to saturate HBM. The launch
-# parameters are the fastest of a sweep on the H200 (bench/RESULTS.md).
-SPLIT_TOKENS = 512
+# Contexts are split into chunks, each chunk one program, merged by log-sum-exp: with one program per (sequence,
+# KV head) a batch of 64 fills only 512 programs, too few to saturate HBM. Chunks are MAX_SPLIT_TOKENS long, or
+# shorter where a batch has few (sequence, KV head) pairs, so that a short context still spreads over the SMs:
+# PAIR_TOKENS tokens per pair, a power of two from TOKENS_PER_ITER. The launch parameters and that rule are the
+# fastest of sweeps on the H200 (bench/RESULTS.md).
+MAX_SPLIT_TOKENS = 512
+PAIR_TOKENS = 4
 TOKENS_PER_ITER = 64
 NUM_WARPS = 4
 NUM_STAGES = 2
+
+
+def split_tokens_for(pairs: int) -> int:
+    """Context tokens per program for a batch of `pairs` (sequence, KV head) pairs."""
+    return min(MAX_SPLIT_TOKENS, 1 << max(0, PAIR_TOKENS * pairs - 1).bit_length())
 
 
 def _decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, out) -> torch.Tensor:
@@ -73,7 +81,7 @@ def _decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, out) 
     group = num_heads // num_kv_heads
     out = torch.empty_like(q) if out is None else out
     tokens_per_iter = max(TOKENS_PER_ITER, block_size)
-    split_tokens = max(SPLIT_TOKENS, tokens_per_iter)
+    split_tokens = max(tokens_per_iter, split_tokens_for(batch * num_kv_heads))
     # The table's width bounds every context: the split count is a function of shapes alone (CUDA graphs).
     num_splits = triton.cdiv(block_tables.shape[1] * block_size, split_tokens)
     if num_splits > 1:

@@ -23,10 +23,14 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(32, 8, 128, 16), (9, 3, 64, 16), (8, 8, 64, 32)])
 @pytest.mark.parametrize("max_len,spare_blocks", [(1500, 0), (200, 0), (700, 300)])
-def test_triton_decode_kernel_matches_reference(dtype, heads, kv_heads, head_dim, block_size, max_len, spare_blocks):
-    """Contexts of one split and of several, and a table much wider than any context (as in CUDA graphs)."""
+@pytest.mark.parametrize("batch", [37, 2])
+def test_triton_decode_kernel_matches_reference(
+    dtype, heads, kv_heads, head_dim, block_size, max_len, spare_blocks, batch
+):
+    """Contexts of one split and of several, and a table much wider than any context (as in CUDA graphs); a
+    batch of 2 runs the short splits of a batch with few (sequence, KV head) pairs."""
     gen = torch.Generator(device="cuda").manual_seed(0)
-    batch, num_blocks = 37, 512
+    num_blocks = 512
     lens = torch.randint(1, max_len, (batch,), device="cuda", generator=gen, dtype=torch.int32)
     width = int((lens.max() + block_size - 1) // block_size) + spare_blocks
     tables = torch.randint(0, num_blocks, (batch, width), device="cuda", generator=gen, dtype=torch.int32)
