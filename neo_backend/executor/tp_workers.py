@@ -9,6 +9,10 @@ comes back as an object, and the channel never queues behind the model's collect
 except `state`: the pipe keeps them in order and the forward's collectives keep the ranks in step. A dead worker
 closes its gloo connections, so a collective on rank 0 fails at once too; `COLLECTIVE_TIMEOUT_S` bounds the wait
 on one that is alive but stuck. Rank 0 then names the dead rank in an `EngineDeadError`.
+
+Every rank takes the start-up profile at once (its dense forwards need the collectives, and each rank's CPU
+attention then runs beside the others' as in serving); rank 0 keeps its own, and only rank 0 caches it. Device KV
+block counts are the minimum over ranks; host pools are sized alike on every rank by the same arithmetic.
 """
 
 from __future__ import annotations
