@@ -42,6 +42,13 @@ class EngineConfig:
     device: str = field(default="auto", metadata={"choices": DEVICES})
     max_model_len: int | None = field(default=None, metadata={"help": "default: the model's max positions"})
     default_seed: int = field(default=0, metadata={"help": "seed of the sampler for requests without a seed"})
+    tensor_parallel_size: int = field(
+        default=1,
+        metadata={
+            "help": "ranks the model is sharded over (Megatron-style): this process is rank 0, the others are "
+            "worker processes it starts; it must divide the attention and KV head counts"
+        },
+    )
     # Paged KV cache
     block_size: int = 16
     num_gpu_blocks: int | None = field(default=None, metadata={"help": "explicit GPU KV pool size in blocks"})
@@ -63,12 +70,14 @@ class EngineConfig:
     enforce_eager: bool = field(default=False, metadata={"help": "disable CUDA graphs for decode"})
     # NEO offload
     offload_policy: str = field(default="auto", metadata={"choices": OFFLOAD_POLICIES})
-    cpu_kv_cache_gb: float = field(default=4.0, metadata={"help": "host KV pool size in GiB"})
+    cpu_kv_cache_gb: float = field(
+        default=4.0, metadata={"help": "host KV pool size in GiB (every tensor-parallel rank's share together)"}
+    )
     cpu_attention_threads: int | None = field(
         default=None,
         metadata={
-            "help": "default: the cores this process may use, less one on CUDA (for the launching thread) or "
-            "less engine_cpu where that is set"
+            "help": "per rank; default: the cores this process may use (at tensor_parallel_size > 1, the rank's "
+            "share of them), less one on CUDA (for the launching thread) or less engine_cpu where that is set"
         },
     )
     engine_cpu: int | None = field(
@@ -103,6 +112,7 @@ class EngineConfig:
             if choices and getattr(self, f.name) not in choices:
                 raise ConfigError(f"{f.name}={getattr(self, f.name)!r} is not one of {', '.join(choices)}")
         positive = [
+            "tensor_parallel_size",
             "block_size",
             "max_num_seqs",
             "max_num_batched_tokens",

@@ -16,9 +16,10 @@ from .core.sampling_params import SamplingParams
 from .core.scheduler import Scheduler
 from .core.scheduler_output import SchedulerOutput
 from .core.sequence import Sequence, SequenceStatus
-from .errors import ConfigError, InvalidRequestError, KernelError
+from .errors import ConfigError, EngineDeadError, InvalidRequestError, KernelError
 from .executor.model_runner import ModelRunner
 from .executor.profiler import load_or_profile
+from .executor.tp_workers import TensorParallelRunner
 from .layers.sampler import SampleResult
 from .models.loader import load_tokenizer, read_model_config, resolve_source
 from .models.tokenizer import IncrementalDetokenizer
@@ -48,7 +49,27 @@ class LLMEngine:
         self.model_config = model_cfg
         self.tokenizer = load_tokenizer(source, self.config, model_cfg)
         max_len = self.config.max_model_len or model_cfg.max_position_embeddings
-        self.runner = ModelRunner(self.config, model_cfg, source, max_len, self.tokenizer.eos_token_ids)
+        runner_class = TensorParallelRunner if self.config.tensor_parallel_size > 1 else ModelRunner
+        self.runner = runner_class(self.config, model_cfg, source, max_len, self.tokenizer.eos_token_ids)
+        self.dead_reason: str | None = None
+        try:
+            self._init_scheduling(max_len)
+        except BaseException:
+            self.runner.close()
+            raise
+        self.counters = EngineCounters()
+        self._seqs: dict[str, Sequence] = {}
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        log.info(
+            "engine ready: max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d, tensor_parallel_size %d",
+            self.max_model_len,
+            self.config.max_num_seqs,
+            self.config.max_num_batched_tokens,
+            self.config.tensor_parallel_size,
+        )
+
+    def _init_scheduling(self, max_len: int) -> None:
+        """Block managers as large as the runner's pools, the performance model, the scheduler."""
         pool_tokens = self.runner.num_gpu_blocks * self.config.block_size
         if max_len > pool_tokens:
             log.warning("max_model_len %d exceeds the KV pool (%d tokens); capping it", max_len, pool_tokens)
@@ -70,15 +91,19 @@ class LLMEngine:
             self.cpu_blocks.num_blocks,
             self.runner.host_attention.num_threads if self.runner.host_attention else 0,
         )
-        self.counters = EngineCounters()
-        self._seqs: dict[str, Sequence] = {}
-        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
-        log.info(
-            "engine ready: max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d",
-            self.max_model_len,
-            self.config.max_num_seqs,
-            self.config.max_num_batched_tokens,
-        )
+
+    @property
+    def failure(self) -> str | None:
+        """Why no request can make progress any more (a tensor-parallel rank died), or None."""
+        return self.dead_reason or self.runner.lost_rank
+
+    @property
+    def healthy(self) -> bool:
+        return self.failure is None
+
+    def close(self) -> None:
+        """Stop the runner: its CPU-attention thread and, at tensor_parallel_size > 1, the worker ranks."""
+        self.runner.close()
 
     # Requests ---------------------------------------------------------------------------------------------
 
@@ -89,6 +114,7 @@ class LLMEngine:
         request_id: str | None = None,
     ) -> Sequence:
         """Validate and tokenize a request without touching engine state (safe from any thread)."""
+        self._check_alive()
         params = self._check_params(params)
         text, token_ids = self._tokenize(prompt)
         if len(token_ids) >= self.max_model_len:
@@ -99,6 +125,7 @@ class LLMEngine:
         return Sequence(request_id or uuid.uuid4().hex, text, token_ids, params)
 
     def add_sequence(self, seq: Sequence) -> None:
+        self._check_alive()
         if seq.request_id in self._seqs:
             raise InvalidRequestError(f"request id {seq.request_id!r} is already in use")
         self._seqs[seq.request_id] = seq
@@ -180,7 +207,22 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         with self.runner.device_scope():
-            return self._step()
+            try:
+                return self._step()
+            except EngineDeadError as exc:
+                return self._stop_for_good(str(exc))
+
+    def _stop_for_good(self, reason: str) -> list[RequestOutput]:
+        """A tensor-parallel rank is gone: every request in flight fails with `reason`, and new ones are refused."""
+        log.error("%s; failing %d requests", reason, len(self._seqs))
+        self.dead_reason = reason
+        self.runner.close()
+        return [self.fail(request_id, reason, "engine_dead") for request_id in list(self._seqs)]
+
+    def _check_alive(self) -> None:
+        failure = self.failure
+        if failure is not None:
+            raise EngineDeadError(f"engine is not running: {failure}")
 
     def _step(self) -> list[RequestOutput]:
         scheduling = time.monotonic()
@@ -200,6 +242,8 @@ class LLMEngine:
         except KernelError as exc:
             self._fail_over_to_gpu(exc)
             return []
+        except EngineDeadError:
+            raise
         except Exception as exc:  # an iteration that breaks fails the requests it carried, not the server
             log.exception("iteration failed; failing its %d requests", len(batch.scheduled()))
             message = f"internal error while running this request: {type(exc).__name__}: {exc}"

@@ -62,6 +62,7 @@ class RequestStream:
 
 class StreamingEngine:
     def __init__(self, config: EngineConfig | None = None, engine: LLMEngine | None = None) -> None:
+        self._owns_engine = engine is None  # closed by `shutdown`
         self.engine = engine or LLMEngine(config)
         self.config = self.engine.config
         attention_cpus(self.config.engine_cpu)  # an engine_cpu this process may not use fails here
@@ -79,7 +80,7 @@ class StreamingEngine:
 
     @property
     def healthy(self) -> bool:
-        return self.dead_reason is None and self._thread.is_alive()
+        return self.dead_reason is None and self._thread.is_alive() and self.engine.healthy
 
     @property
     def num_in_flight(self) -> int:
@@ -105,7 +106,7 @@ class StreamingEngine:
         on_output: Callable[[RequestOutput], None] | None = None,
     ) -> RequestStream:
         if not self.healthy:
-            raise EngineDeadError(f"engine is not running: {self.dead_reason or 'stopped'}")
+            raise EngineDeadError(f"engine is not running: {self.dead_reason or self.engine.failure or 'stopped'}")
         waiting = len(self.engine.scheduler.waiting) + self._inbox.qsize()
         if waiting >= self.config.max_queue_size:
             raise QueueFullError(
@@ -129,11 +130,14 @@ class StreamingEngine:
         self._wake.set()
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the loop; in-flight requests end with an error output rather than hanging."""
+        """Stop the loop; in-flight requests end with an error output rather than hanging. An engine this front
+        built is closed (its worker ranks stop)."""
         self._stopping = True
         self._wake.set()
         self._thread.join(timeout)
         self._fail_all("server is shutting down")
+        if self._owns_engine:
+            self.engine.close()
 
     def _loop(self) -> None:
         try:

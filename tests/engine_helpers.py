@@ -4,7 +4,25 @@ from __future__ import annotations
 
 import torch
 
-from neo_backend import LLMEngine
+from neo_backend import EngineConfig, LLMEngine
+
+# Every way a step runs on CPU; `auto-small-gpu` wants a small device pool and `fixed_perf_model`.
+OFFLOAD_CONFIGS = {
+    "never": dict(offload_policy="never"),
+    "always-sequential": dict(offload_policy="always", pipeline="off"),
+    "always-pipelined": dict(offload_policy="always", pipeline="on"),
+    "auto-small-gpu": dict(offload_policy="auto", pipeline="auto"),
+}
+
+
+def offload_engine(model_dir, num_gpu_blocks: int, **knobs) -> LLMEngine:
+    """A tiny model's engine with 8-token blocks, 64-token iterations and a host pool of 0.01 GiB."""
+    knobs = {"cpu_kv_cache_gb": 0.01, **knobs}
+    return LLMEngine(
+        EngineConfig(
+            model=str(model_dir), num_gpu_blocks=num_gpu_blocks, block_size=8, max_num_batched_tokens=64, **knobs
+        )
+    )
 
 
 def mixed_requests(num: int, seed: int) -> tuple[list[list[int]], list[int]]:

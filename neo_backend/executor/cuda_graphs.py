@@ -146,7 +146,7 @@ class LaneGraphs:
     """
 
     def __init__(self, model, inputs: DecodeInputs, host_variants: tuple[bool, ...]) -> None:
-        cfg, device, dtype = model.config, inputs.input_ids.device, model.embed_tokens.weight.dtype
+        cfg, device, dtype = model.rank_config, inputs.input_ids.device, model.embed_tokens.weight.dtype
         n = inputs.max_batch
         self.model, self.inputs = model, inputs
         self.buckets = lane_buckets(n)

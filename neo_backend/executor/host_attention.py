@@ -12,6 +12,7 @@ from ..cpu import library
 from ..cpu.affinity import attention_cpus, pin_current_thread
 from ..cpu.handoff import Flags, IterationLane
 from ..cpu.ops import Kernels
+from ..layers.parallel import TensorParallel
 from .host_pool import HostKVCache
 
 
@@ -48,15 +49,22 @@ class HostAttention:
     pool and attends (GIL released), the output goes back up. Times every call for the fail-safe."""
 
     def __init__(
-        self, host: HostKVCache, scale: float, device: torch.device, num_threads: int | None, engine_cpu: int | None
+        self,
+        host: HostKVCache,
+        scale: float,
+        device: torch.device,
+        num_threads: int | None,
+        engine_cpu: int | None,
+        tp: TensorParallel,
     ) -> None:
         """`num_threads`: the kernels' team (None: see `attention_threads`); `engine_cpu`: the CPU the
-        kernels stay off."""
+        kernels stay off; `tp`: whose share of the CPUs they run on (pinned there when there are several ranks)."""
         self.host = host
         self.scale = scale
         self.device = device
         self.engine_cpu = engine_cpu
-        self.cpus = attention_cpus(engine_cpu)
+        self.cpus = attention_cpus(engine_cpu, tp.rank, tp.size)
+        self.pinned = engine_cpu is not None or tp.size > 1
         self.kernels = Kernels(library.default(), attention_threads(num_threads, self.cpus, engine_cpu, device))
         self.seconds = 0.0
 
@@ -66,9 +74,10 @@ class HostAttention:
 
     def enter_thread(self) -> None:
         """Run first by a thread that will call the kernels: with `engine_cpu` set, it and the OpenMP team it
-        starts (whose threads inherit its CPUs) stay off the engine's CPU. A one-token call starts that team
-        now rather than inside the first iteration, whose timing the fail-safe reads."""
-        if self.engine_cpu is not None:
+        starts (whose threads inherit its CPUs) stay off the engine's CPU; with several ranks, on its rank's share.
+        A one-token call starts that team now rather than inside the first iteration, whose timing the fail-safe
+        reads."""
+        if self.pinned:
             pin_current_thread(self.cpus, "CPU attention")
         k_cache, v_cache = self.host.k_caches[0], self.host.v_caches[0]
         q = torch.zeros(1, *k_cache.shape[2:], dtype=k_cache.dtype)

@@ -11,11 +11,13 @@ from dataclasses import dataclass
 import torch
 
 from ..config import EngineConfig, ModelConfig
+from ..core.perf_model import PerfModel
 from ..core.scheduler_output import SchedulerOutput, SwapOut
 from ..core.sequence import Sequence
 from ..cpu.abi import SUPPORTED_HEAD_DIMS
 from ..errors import ConfigError
 from ..layers.attention import AttentionMetadata, PrefillChunk
+from ..layers.parallel import TensorParallel
 from ..layers.sampler import Sampler, SampleResult
 from ..models.loader import ModelSource, load_model
 from .cuda_graphs import DecodeGraphs, DecodeInputs, LaneGraphs
@@ -23,6 +25,7 @@ from .gpu_partition import sm_partition
 from .host_attention import HostAttention, HostDecodeBatch
 from .host_pool import HostKVCache, host_available_bytes
 from .pipeline import PipelinedExecutor, SubBatch
+from .profiler import profile
 from .swapper import BlockSwapper
 
 log = logging.getLogger("neo_backend")
@@ -46,6 +49,10 @@ def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
 
 
 class ModelRunner:
+    """One rank's model shard and KV pools (`tp`; the default: the whole model). Only rank 0 samples."""
+
+    lost_rank: str | None = None  # why a rank of the group is gone (see TensorParallelRunner); one rank loses none
+
     def __init__(
         self,
         config: EngineConfig,
@@ -53,18 +60,21 @@ class ModelRunner:
         source: ModelSource,
         max_model_len: int,
         eos_token_ids: tuple[int, ...],
+        tp: TensorParallel | None = None,
     ) -> None:
         self.config = config
         self.model_cfg = model_cfg
+        self.tp = tp or TensorParallel()
+        self.rank_cfg = self.tp.rank_config(model_cfg)
         self.device = resolve_device(config)
         self.dtype = resolve_dtype(config, self.device)
         self.block_size = config.block_size
         self.partition = sm_partition(config.gpu_sm_count, self.device) if config.gpu_sm_count else None
         self.compute_stream = self.partition.stream() if self.partition else None
         with self.device_scope():
-            self.model = load_model(source, model_cfg, max_model_len, self.dtype, self.device)
+            self.model = load_model(source, model_cfg, max_model_len, self.dtype, self.device, self.tp)
             self.sampler = Sampler(eos_token_ids, config.default_seed)
-            self.num_gpu_blocks = config.num_gpu_blocks or self._profile_num_blocks()
+            self.num_gpu_blocks = self.tp.min(config.num_gpu_blocks or self._profile_num_blocks(), self.device)
             # one block beyond the pool: the scratch block that padded CUDA-graph rows write to
             self.k_caches, self.v_caches = self._allocate_kv(self.num_gpu_blocks + 1)
             log.info(
@@ -115,11 +125,11 @@ class ModelRunner:
         if config.offload_policy == "auto" and self.device.type == "cpu" and config.num_gpu_blocks is None:
             log.info("offload_policy auto on a CPU device with no num_gpu_blocks limit: nothing to offload")
             return
-        num_cpu_blocks = int(config.cpu_kv_cache_gb * 2**30) // self.block_bytes
+        num_cpu_blocks = int(config.cpu_kv_cache_gb * 2**30 / self.tp.size) // self.block_bytes
         if num_cpu_blocks == 0:
             log.info("cpu_kv_cache_gb=%s holds no KV block: offloading is off", config.cpu_kv_cache_gb)
             return
-        self.host_cache = HostKVCache(model_cfg, num_cpu_blocks, self.block_size, self.dtype)
+        self.host_cache = HostKVCache(self.rank_cfg, num_cpu_blocks, self.block_size, self.dtype)
         self.swapper = BlockSwapper(
             self.k_caches,
             self.v_caches,
@@ -128,7 +138,12 @@ class ModelRunner:
             self.partition.stream() if self.partition else None,
         )
         self.host_attention = HostAttention(
-            self.host_cache, model_cfg.head_dim**-0.5, self.device, config.cpu_attention_threads, config.engine_cpu
+            self.host_cache,
+            model_cfg.head_dim**-0.5,
+            self.device,
+            config.cpu_attention_threads,
+            config.engine_cpu,
+            self.tp,
         )
         self.pipeline = PipelinedExecutor(self.host_attention, self._capture_lane_graphs())
         self.offload_policy = config.offload_policy
@@ -153,11 +168,11 @@ class ModelRunner:
 
     @property
     def block_bytes(self) -> int:
-        cfg = self.model_cfg
+        cfg = self.rank_cfg
         return 2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
 
     def _allocate_kv(self, num_blocks: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        cfg = self.model_cfg
+        cfg = self.rank_cfg
         shape = (num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
         k_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_layers)]
         v_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_layers)]
@@ -231,12 +246,16 @@ class ModelRunner:
             self.swapper.swap_out(swap.request_id, swap.device_blocks, swap.host_blocks)
             self._swaps_in_flight.append(swap.request_id)
 
-    def land_swap_outs(self, wait: bool) -> list[str]:
-        """Finish the swap-outs in flight: all (`wait`), or those whose copy has landed. Returns their request
-        ids, in the order they started."""
+    @property
+    def swaps_in_flight(self) -> list[str]:
+        return list(self._swaps_in_flight)
+
+    def land_swap_outs(self, wait: bool, only: list[str] | None = None) -> list[str]:
+        """Finish the swap-outs in flight: all (`wait`), or those whose copy has landed, or those of the requests
+        in `only` (waiting for them). Returns their request ids, in the order they started."""
         if not self._swaps_in_flight:
             return []
-        self.swapper.complete(wait)
+        self.swapper.complete(wait, only)
         landed = [r for r in self._swaps_in_flight if not self.swapper.in_transit(r)]
         self._swaps_in_flight = [r for r in self._swaps_in_flight if self.swapper.in_transit(r)]
         return landed
@@ -268,7 +287,19 @@ class ModelRunner:
             sample_seqs = step.sample_seqs
         if not sample_seqs:
             return [], None
-        return sample_seqs, self.sampler(self.model.compute_logits(hidden), sample_seqs)
+        logits = self.model.compute_logits(hidden)  # every rank's part of the vocabulary is gathered
+        if self.tp.rank > 0:
+            return sample_seqs, None
+        return sample_seqs, self.sampler(logits, sample_seqs)
+
+    def profile(self) -> PerfModel:
+        """The performance model's measurements; at tensor_parallel_size > 1 every rank takes them at once (the
+        dense forwards' collectives need every rank) and rank 0's are used."""
+        return profile(self)
+
+    def close(self) -> None:
+        if self.pipeline is not None:
+            self.pipeline.shutdown()
 
     def prepare(
         self, prefills: list[tuple[Sequence, int]], gpu_decodes: list[Sequence], cpu_decodes: list[Sequence]

@@ -57,7 +57,7 @@ class EagerLane(LayerSegments):
         self.attn_out: torch.Tensor | None = None
 
     def _host_buffers(self, model, sub: SubBatch) -> HostHandOff:
-        cfg, dtype = model.config, model.embed_tokens.weight.dtype
+        cfg, dtype = model.rank_config, model.embed_tokens.weight.dtype
         pin = self.device.type == "cuda"
         rows = sub.host_batch.size
         q, out = (torch.empty(rows, cfg.num_heads, cfg.head_dim, dtype=dtype, pin_memory=pin) for _ in range(2))

@@ -36,6 +36,7 @@ def load_or_profile(runner) -> PerfModel:
         "isa": library.active_isa(runner.host_attention.kernels.lib),
         "cuda_graphs": runner.decode_graphs is not None,
         "gpu_sm_count": runner.config.gpu_sm_count,
+        "tensor_parallel_size": runner.tp.size,
         "version": 5,
     }
     key = hashlib.sha256(json.dumps(key_fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -44,14 +45,14 @@ def load_or_profile(runner) -> PerfModel:
     if cached is not None:
         log.info("performance model loaded from %s", path)
         return cached
-    model = _profile(runner)
+    model = runner.profile()
     save(model, path)
     log.info("performance model saved to %s: %s", path, model)
     return model
 
 
 @torch.inference_mode()
-def _profile(runner) -> PerfModel:
+def profile(runner) -> PerfModel:
     cfg, bs = runner.model_cfg, runner.block_size
     max_tokens = min(runner.config.max_num_batched_tokens, runner.num_gpu_blocks * bs)
     if runner.device.type != "cuda":
@@ -95,7 +96,7 @@ def _random_tables(batch: int, context: int, block_size: int, num_blocks: int, d
 
 
 def _gpu_attention_per_token(runner) -> float:
-    cfg, bs, device = runner.model_cfg, runner.block_size, runner.device
+    cfg, bs, device = runner.rank_cfg, runner.block_size, runner.device
     k, v = runner.k_caches[0], runner.v_caches[0]
     points = []
     for batch, context in ((8, 256), (32, 1024)):
@@ -114,7 +115,7 @@ def _cpu_attention_fit(runner) -> tuple[float, float, float]:
     the one library call the pipeline makes (`HostAttention.run_iteration`), every layer's inputs ready. Each
     layer reads its own cache, so the reads come from DRAM as in serving; timing one layer over and over would
     measure the last-level cache (300 MiB on the H200's host)."""
-    cfg, bs = runner.model_cfg, runner.block_size
+    cfg, bs = runner.rank_cfg, runner.block_size
     host_cache, host = runner.host_cache, runner.host_attention
     dtype = host_cache.k_caches[0].dtype
     ready, done = Flags(cfg.num_layers, 0.0), Flags(cfg.num_layers, 0.0)

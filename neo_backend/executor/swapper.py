@@ -62,13 +62,18 @@ class BlockSwapper:
     def in_transit(self, request_id: str) -> bool:
         return any(swap.request_id == request_id for swap in self._pending)
 
-    def complete(self, wait: bool = True) -> list[int]:
+    def complete(self, wait: bool = True, only: list[str] | None = None) -> list[int]:
         """Finish started swap-outs: every one (`wait`), or only those whose copy has already landed, so a
-        freshly prefilled request moves to the host pool while the device computes. Scatters them into the
-        host pool and returns the device blocks that are now free."""
+        freshly prefilled request moves to the host pool while the device computes, or those of the requests in
+        `only` (waiting for them: what another rank landed). Scatters them into the host pool and returns the
+        device blocks that are now free."""
         freed, still = [], []
         for swap in self._pending:
-            if swap.done is not None and not wait and not swap.done.query():
+            if only is not None:
+                chosen = swap.request_id in only
+            else:
+                chosen = wait or swap.done is None or swap.done.query()
+            if not chosen:
                 still.append(swap)
                 continue
             if swap.done is not None:

@@ -9,11 +9,13 @@ logits all-gathered). Norms and rotary tables are replicated. Two all-reduces pe
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from ..config import ModelConfig
 from ..errors import ConfigError
 
 
@@ -31,6 +33,14 @@ class TensorParallel:
             raise ConfigError(f"tensor_parallel_size={self.size} does not divide {what} ({total})")
         return total // self.size
 
+    def rank_config(self, cfg: ModelConfig) -> ModelConfig:
+        """`cfg` with this rank's attention and KV head counts: what its KV pools and attention buffers hold."""
+        return dataclasses.replace(
+            cfg,
+            num_heads=self.part(cfg.num_heads, "the number of attention heads"),
+            num_kv_heads=self.part(cfg.num_kv_heads, "the number of KV heads"),
+        )
+
     def shard(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         """This rank's slice of a whole (checkpoint) tensor along `dim`."""
         if self.size == 1:
@@ -43,6 +53,14 @@ class TensorParallel:
         if self.size > 1:
             dist.all_reduce(x, group=self.group)
         return x
+
+    def min(self, value: int, device: torch.device) -> int:
+        """The smallest of every rank's `value` (`device`: where the group's backend takes tensors)."""
+        if self.size == 1:
+            return value
+        x = torch.tensor([value], dtype=torch.long, device=device)
+        dist.all_reduce(x, op=dist.ReduceOp.MIN, group=self.group)
+        return int(x.item())
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's `x` side by side along the last dimension, in rank order."""

@@ -35,8 +35,8 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, tp: TensorParallel) -> None:
         super().__init__()
         self.tp = tp
-        self.num_heads = tp.part(cfg.num_heads, "the number of attention heads")
-        self.num_kv_heads = tp.part(cfg.num_kv_heads, "the number of KV heads")
+        rank_cfg = tp.rank_config(cfg)
+        self.num_heads, self.num_kv_heads = rank_cfg.num_heads, rank_cfg.num_kv_heads
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * cfg.head_dim
         self.kv_size = self.num_kv_heads * cfg.head_dim
@@ -78,6 +78,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.tp = tp = tp or TensorParallel()
+        self.rank_config = tp.rank_config(cfg)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.rotary, tp) for i in range(cfg.num_layers))

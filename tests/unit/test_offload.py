@@ -8,28 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import collect, fixed_perf_model, mixed_requests, outputs_of
+from engine_helpers import OFFLOAD_CONFIGS, collect, fixed_perf_model, mixed_requests, offload_engine, outputs_of
 
 from neo_backend import EngineConfig, LLMEngine
 from neo_backend.cpu.ops import Kernels
 from neo_backend.executor.host_pool import HUGE_PAGE_BYTES, huge_page_tensor
 from neo_backend.streaming import StreamingEngine
-
-CONFIGS = {
-    "never": dict(offload_policy="never"),
-    "always-sequential": dict(offload_policy="always", pipeline="off"),
-    "always-pipelined": dict(offload_policy="always", pipeline="on"),
-    "auto-small-gpu": dict(offload_policy="auto", pipeline="auto"),
-}
-
-
-def _engine(model_dir, num_gpu_blocks: int, **knobs) -> LLMEngine:
-    knobs = {"cpu_kv_cache_gb": 0.01, **knobs}
-    return LLMEngine(
-        EngineConfig(
-            model=str(model_dir), num_gpu_blocks=num_gpu_blocks, block_size=8, max_num_batched_tokens=64, **knobs
-        )
-    )
 
 
 @pytest.fixture(scope="module")
@@ -40,14 +24,14 @@ def workload():
 @pytest.fixture(scope="module")
 def reference_tokens(tiny_model_dirs, workload):
     prompts, max_tokens = workload
-    engine = _engine(tiny_model_dirs["llama3"], 512, offload_policy="never")
+    engine = offload_engine(tiny_model_dirs["llama3"], 512, offload_policy="never")
     return [collect(engine, [p], [m], stagger=False)[0] for p, m in zip(prompts, max_tokens)]
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", list(OFFLOAD_CONFIGS))
 def test_greedy_tokens_identical_across_policies(tiny_model_dirs, workload, reference_tokens, name, monkeypatch):
     prompts, max_tokens = workload
-    engine = _engine(tiny_model_dirs["llama3"], 24, **CONFIGS[name])
+    engine = offload_engine(tiny_model_dirs["llama3"], 24, **OFFLOAD_CONFIGS[name])
     if name == "auto-small-gpu":
         fixed_perf_model(engine, monkeypatch)
     tokens = collect(engine, prompts, max_tokens, stagger=True)
@@ -83,7 +67,7 @@ def test_host_pool_larger_than_memory_is_a_clear_error(tiny_model_dirs):
     from neo_backend import ConfigError
 
     with pytest.raises(ConfigError, match="cpu_kv_cache_gb"):
-        _engine(tiny_model_dirs["llama3"], 24, offload_policy="auto", cpu_kv_cache_gb=1e6)
+        offload_engine(tiny_model_dirs["llama3"], 24, offload_policy="auto", cpu_kv_cache_gb=1e6)
 
 
 def test_auto_backs_off_when_cpu_attention_is_slowed(tiny_model_dirs, workload, reference_tokens, monkeypatch):
@@ -92,7 +76,7 @@ def test_auto_backs_off_when_cpu_attention_is_slowed(tiny_model_dirs, workload, 
     import time as _time
 
     prompts, max_tokens = workload
-    engine = _engine(tiny_model_dirs["llama3"], 24, offload_policy="auto")
+    engine = offload_engine(tiny_model_dirs["llama3"], 24, offload_policy="auto")
     fixed_perf_model(engine, monkeypatch, remeasured=True)
     real_iteration = Kernels.decode_iteration
 
@@ -147,7 +131,7 @@ def test_the_runner_reports_the_swap_outs_that_landed_and_only_those_decode(tiny
     """Freshly prefilled requests move to the host pool while the device computes: the runner starts their copies
     after the step, and a request decodes on the CPU once the runner has reported its copy landed. Finishing a
     request whose copy is still in flight lands it before its blocks are freed."""
-    engine = _engine(tiny_model_dirs["llama3"], 64, offload_policy="always", pipeline="off")
+    engine = offload_engine(tiny_model_dirs["llama3"], 64, offload_policy="always", pipeline="off")
     events: list[_CopyEvent] = []
     monkeypatch.setattr(engine.runner.swapper, "_record", lambda: events.append(_CopyEvent()) or events[-1])
     params = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
@@ -168,7 +152,9 @@ def test_engine_cpu_pins_the_loop_and_keeps_cpu_attention_off_it(tiny_model_dirs
     allowed = os.sched_getaffinity(0)
     engine_cpu = max(allowed)
     front = StreamingEngine(
-        engine=_engine(tiny_model_dirs["llama3"], 24, offload_policy="always", pipeline="on", engine_cpu=engine_cpu)
+        engine=offload_engine(
+            tiny_model_dirs["llama3"], 24, offload_policy="always", pipeline="on", engine_cpu=engine_cpu
+        )
     )
     try:
         prompts, max_tokens = workload
@@ -191,12 +177,12 @@ def test_an_engine_cpu_this_process_may_not_use_is_a_clear_error(tiny_model_dirs
     from neo_backend import ConfigError
 
     with pytest.raises(ConfigError, match="engine_cpu=100000 is not among the CPUs"):
-        _engine(tiny_model_dirs["llama3"], 24, offload_policy="always", engine_cpu=100000)
+        offload_engine(tiny_model_dirs["llama3"], 24, offload_policy="always", engine_cpu=100000)
 
 
 def test_a_host_pool_smaller_than_the_profile_shapes_still_profiles(tiny_model_dirs, tmp_path):
-    block_bytes = _engine(tiny_model_dirs["llama3"], 24, offload_policy="never").runner.block_bytes
-    engine = _engine(
+    block_bytes = offload_engine(tiny_model_dirs["llama3"], 24, offload_policy="never").runner.block_bytes
+    engine = offload_engine(
         tiny_model_dirs["llama3"],
         24,
         offload_policy="auto",

@@ -11,7 +11,7 @@ import pytest
 
 from neo_backend import EngineConfig, LLMEngine
 from neo_backend.core.perf_model import PerfModel, fit_plane, load_cached, save
-from neo_backend.executor import profiler
+from neo_backend.executor.model_runner import ModelRunner
 
 MS = 1e-3
 
@@ -183,7 +183,7 @@ def test_profiles_are_cached_by_what_the_timings_depend_on(tiny_model_dirs, tmp_
         profiled.append(runner.block_size)
         return _model(dense_tokens=[1], dense_seconds=[runner.block_size * MS])
 
-    monkeypatch.setattr(profiler, "_profile", fake_profile)
+    monkeypatch.setattr(ModelRunner, "profile", fake_profile)
 
     def engine(**knobs) -> LLMEngine:
         knobs = {"block_size": 8, "max_num_seqs": 16, **knobs}
