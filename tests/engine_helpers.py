@@ -25,6 +25,12 @@ def offload_engine(model_dir, num_gpu_blocks: int, **knobs) -> LLMEngine:
     )
 
 
+def never_tokens(model_dir, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+    """Each prompt's greedy tokens alone on a GPU-only engine with a roomy pool: what every mode must reproduce."""
+    engine = offload_engine(model_dir, 512, offload_policy="never")
+    return [collect(engine, [p], [m], stagger=False)[0] for p, m in zip(prompts, max_tokens)]
+
+
 def mixed_requests(num: int, seed: int) -> tuple[list[list[int]], list[int]]:
     gen = torch.Generator().manual_seed(seed)
     prompts = [

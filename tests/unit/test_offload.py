@@ -8,7 +8,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import OFFLOAD_CONFIGS, collect, fixed_perf_model, mixed_requests, offload_engine, outputs_of
+from engine_helpers import (
+    OFFLOAD_CONFIGS,
+    collect,
+    fixed_perf_model,
+    mixed_requests,
+    never_tokens,
+    offload_engine,
+    outputs_of,
+)
 
 from neo_backend import EngineConfig, LLMEngine
 from neo_backend.cpu.ops import Kernels
@@ -23,9 +31,7 @@ def workload():
 
 @pytest.fixture(scope="module")
 def reference_tokens(tiny_model_dirs, workload):
-    prompts, max_tokens = workload
-    engine = offload_engine(tiny_model_dirs["llama3"], 512, offload_policy="never")
-    return [collect(engine, [p], [m], stagger=False)[0] for p, m in zip(prompts, max_tokens)]
+    return never_tokens(tiny_model_dirs["llama3"], *workload)
 
 
 @pytest.mark.parametrize("name", list(OFFLOAD_CONFIGS))
