@@ -8,11 +8,13 @@ tokens (ignore_eos). Prefill tokens/s counts steps that carry prefill work, deco
 With --roofline: the decode step carrying every request of a batch (batch 64 at context 1024, 8 at 1024, 256
 at 512) over its floor (weight bytes + KV bytes read) / measured device copy bandwidth, and the prefill of
 8 x 1000 tokens (after one untimed such step) as a fraction of the measured bf16 matmul rate in model FLOPs.
+Under --tensor-parallel-size N both are rank 0's: its shard of the weights and KV heads on its own GPU.
 The ceilings are measured on the engine's own stream, so with --gpu-sm-count N they are the partition's; a
 decode step faster than the floor at that bandwidth means work escaped the partition, and the script exits
 with status 1.
 
     python bench/engine.py --device cuda --roofline --gpu-sm-count 8   # an A10G-class partition of the H200
+    python bench/engine.py --roofline --model bench/configs/llama3-70b --load-format dummy --tensor-parallel-size 2
 """
 
 from __future__ import annotations
@@ -105,7 +107,8 @@ def roofline(engine: LLMEngine) -> dict:
     prefill = run_trace(engine, 8, 1000, 1, seed=2)
     linear_params = sum(p.numel() for n, p in engine.runner.model.named_parameters() if n.endswith("proj.weight"))
     tokens = 8 * 1000
-    attention_flops = 8 * cfg.num_layers * 2 * 2 * cfg.num_heads * cfg.head_dim * 1000 * 1000 / 2
+    num_heads = engine.runner.model.layers[0].num_heads  # this rank's, as the weights are its shard
+    attention_flops = 8 * cfg.num_layers * 2 * 2 * num_heads * cfg.head_dim * 1000 * 1000 / 2
     prefill_flops = 2 * linear_params * tokens + attention_flops  # the LM head scores only the 8 last tokens
     return {
         "copy_bandwidth_GBps": copy_bw / 1e9,

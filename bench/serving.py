@@ -198,7 +198,8 @@ def summarize(records: list[Record]) -> dict:
 
 
 def kv_blocks_for(gpu_memory_gb: float, config: EngineConfig) -> int:
-    """KV blocks an emulated GPU of `gpu_memory_gb` has left after bf16 weights and an activation reserve."""
+    """KV blocks an emulated GPU of `gpu_memory_gb` has left after bf16 weights and an activation reserve; under
+    tensor parallelism, each GPU's: its shard of the weights, its share of the KV heads."""
     from neo_backend.config import ModelConfig
 
     cfg = ModelConfig.from_hf(json.loads((Path(config.model) / "config.json").read_text()))
@@ -207,8 +208,9 @@ def kv_blocks_for(gpu_memory_gb: float, config: EngineConfig) -> int:
         + cfg.num_heads * cfg.head_dim * cfg.hidden_size
         + 3 * cfg.hidden_size * cfg.intermediate_size
     )
-    block_bytes = 2 * cfg.num_layers * config.block_size * cfg.num_kv_heads * cfg.head_dim * 2
-    free = gpu_memory_gb * 2**30 - 2 * params - ACTIVATION_RESERVE_GB * 2**30
+    tp = config.tensor_parallel_size
+    block_bytes = 2 * cfg.num_layers * config.block_size * cfg.num_kv_heads // tp * cfg.head_dim * 2
+    free = gpu_memory_gb * 2**30 - 2 * params / tp - ACTIVATION_RESERVE_GB * 2**30
     return max(1, int(free // block_bytes))
 
 
