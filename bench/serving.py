@@ -162,6 +162,7 @@ class IterationLog:
                 "swap_out_blocks",
                 "swap_in_blocks",
                 "preemptions",
+                "preemptions_by_cause",
                 "cpu_correction",
                 "offload_slowdown",
             )

@@ -185,6 +185,7 @@ class LLMEngine:
             "prompt_tokens": self.counters.prompt_tokens,
             "generation_tokens": self.counters.generation_tokens,
             "preemptions": sched.num_preemptions,
+            "preemptions_by_cause": dict(sched.preemptions),
             "failures": dict(self.counters.failures),
             "requests_waiting": len(sched.waiting),
             "requests_gpu_decode": len(sched.running),

@@ -62,9 +62,13 @@ class Scheduler:
         self._swapped_in: set[str] = set()
         self._stranded = False  # CPU-requests found no room on the device this iteration
         self._skipped: dict[str, int] = {}
-        self.num_preemptions = 0
+        self.preemptions: dict[str, int] = {}  # by cause (`_preempt`)
         self.swap_out_blocks = 0
         self.swap_in_blocks = 0
+
+    @property
+    def num_preemptions(self) -> int:
+        return sum(self.preemptions.values())
 
     @property
     def cpu_behind(self) -> bool:
@@ -93,7 +97,7 @@ class Scheduler:
         """Fail-over after a CPU kernel error: no more offloading; CPU-requests are recomputed on the GPU. Every
         swap-out in flight must have landed first."""
         self.policy = "never"
-        self._recompute_cpu_requests(SchedulerOutput())
+        self._recompute_cpu_requests(SchedulerOutput(), "cpu_kernel_failed")
 
     def swaps_landed(self, request_ids: list[str]) -> None:
         """The runner's report: these swap-outs have landed in the host pool, so their device blocks are free and
@@ -112,7 +116,7 @@ class Scheduler:
         if self.policy == "auto" and (not self.waiting or self.cpu_behind):
             self._swap_in(out)
         if self.policy == "auto" and self.host_slow:
-            self._recompute_cpu_requests(out)
+            self._recompute_cpu_requests(out, "host_slow")
         if self.policy != "never":
             self._make_room_for_admission(out)
         budget = self._schedule_gpu_running(out, self.config.max_num_batched_tokens)
@@ -159,17 +163,17 @@ class Scheduler:
             self.running.append(seq)
             self._swapped_in.add(seq.request_id)
 
-    def _recompute_cpu_requests(self, out: SchedulerOutput) -> None:
+    def _recompute_cpu_requests(self, out: SchedulerOutput, cause: str) -> None:
         """Every CPU-request leaves the host pool, to be recomputed on the GPU: after a kernel failure, or on a
         busy host for those that found no room to swap back (left there, each would stall every iteration it
         is forced into, MAX_SKIPPED_ITERATIONS)."""
         for seq in list(reversed(self.cpu_running)):
-            self._preempt(seq, out)
+            self._preempt(seq, out, cause)
 
     def _make_room_for_admission(self, out: SchedulerOutput) -> None:
         while self._prompts_wait_for_memory():
             victim = self._newest_swappable()
-            if victim is None or not self._swap_out_now(victim, out):
+            if victim is None or self._swap_out_now(victim, out):
                 return
 
     def _schedule_gpu_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -188,8 +192,12 @@ class Scheduler:
         """Give `seq` room for `num_tokens`, evicting the newest running requests (swap-out or recompute)."""
         while not self.gpu_blocks.can_grow(seq, num_tokens):
             victim = self.running[-1]
-            if not (victim.is_decode and victim.request_id not in self._swapped_in and self._swap_out_now(victim, out)):
-                self._preempt(victim, out)
+            if not victim.is_decode:
+                self._preempt(victim, out, "device_full_prefill")
+            elif victim.request_id in self._swapped_in:
+                self._preempt(victim, out, "device_full_swapped_in")
+            elif refusal := self._swap_out_now(victim, out):
+                self._preempt(victim, out, refusal)
             if victim is seq:
                 return False
         self.gpu_blocks.grow(seq, num_tokens)
@@ -202,7 +210,7 @@ class Scheduler:
                 continue  # preempted below to make room for an older one, or still copying to the host
             while not self.cpu_blocks.can_grow(seq, len(seq.token_ids)):
                 victim = self.cpu_running[-1]
-                self._preempt(victim, out)
+                self._preempt(victim, out, "host_full")
                 if victim is seq:
                     break
             if seq in self.cpu_running:
@@ -296,13 +304,22 @@ class Scheduler:
                 return seq
         return None
 
-    def _swap_out(self, seq: Sequence) -> SwapOut | None:
-        """Move `seq` to the host pool, its swap-out in flight; None if the policy or the host pool does not
-        allow it."""
-        if self.policy == "never" or not self.cpu_blocks.num_free_blocks >= len(seq.block_table) + 1:
-            return None
+    def _swap_out_refusal(self, seq: Sequence) -> str | None:
+        """Why `seq` cannot move to the host pool (the cause of its preemption, where it must leave the device),
+        or None."""
+        if self.policy == "never":
+            return "device_full_no_host"
+        if self.cpu_blocks.num_free_blocks < len(seq.block_table) + 1:
+            return "device_full_host_full"
         if self.policy == "auto" and not self._cpu_can_take(seq):
-            return None
+            return "device_full_host_would_not_pay"
+        return None
+
+    def _swap_out(self, seq: Sequence) -> SwapOut | None:
+        """Move `seq` to the host pool, its swap-out in flight; None if `_swap_out_refusal` refuses it."""
+        return None if self._swap_out_refusal(seq) is not None else self._move_to_host(seq)
+
+    def _move_to_host(self, seq: Sequence) -> SwapOut:
         cpu = self.cpu_blocks.allocate(len(seq.block_table))
         swap = SwapOut(seq.request_id, seq.block_table, list(cpu))  # a copy: the table grows before the swap runs
         self._swaps_in_flight[seq.request_id] = seq.block_table
@@ -313,15 +330,15 @@ class Scheduler:
         self.cpu_running.append(seq)
         return swap
 
-    def _swap_out_now(self, seq: Sequence, out: SchedulerOutput) -> bool:
+    def _swap_out_now(self, seq: Sequence, out: SchedulerOutput) -> str | None:
         """Swap `seq` out for its device blocks, which this step reuses: the runner lands it (and every swap-out
-        in flight before it) at once."""
-        swap = self._swap_out(seq)
-        if swap is None:
-            return False
-        out.swap_out.append(swap)
+        in flight before it) at once. Returns why it could not move, or None once it has."""
+        refusal = self._swap_out_refusal(seq)
+        if refusal is not None:
+            return refusal
+        out.swap_out.append(self._move_to_host(seq))
         self._land_swap_outs()
-        return True
+        return None
 
     def _land_swap_outs(self) -> None:
         """Every swap-out in flight lands (the runner waits for it): its device blocks are free."""
@@ -372,7 +389,7 @@ class Scheduler:
             free -= need
         return followers
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def _preempt(self, seq: Sequence, out: SchedulerOutput, cause: str) -> None:
         if self.is_swapping_out(seq):  # its host blocks are freed below: the copy into them lands first
             self._land_swap_outs()
             out.land_swap_outs = True
@@ -381,7 +398,7 @@ class Scheduler:
         seq.reset_for_recompute()
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
-        self.num_preemptions += 1
+        self.preemptions[cause] = self.preemptions.get(cause, 0) + 1
 
     def _pool(self, seq: Sequence) -> BlockManager:
         return self.cpu_blocks if seq.placement == Placement.CPU else self.gpu_blocks

@@ -93,6 +93,7 @@ def test_cpu_kernel_failure_fails_over_to_the_gpu(tiny_model_dirs, monkeypatch):
     stats = engine.stats_snapshot()
     assert stats["gpu_blocks_used"] == 0 and stats["cpu_blocks_used"] == 0
     assert stats["cpu_decode_tokens"] > 0, "requests decoded on the CPU before the failure"
+    assert set(stats["preemptions_by_cause"]) == {"cpu_kernel_failed"}, "the CPU-requests were recomputed"
 
 
 def test_a_failure_inside_a_pipelined_iteration_does_not_strand_the_cpu_worker(tiny_model_dirs, monkeypatch):

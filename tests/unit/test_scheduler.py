@@ -119,7 +119,7 @@ def test_gpu_shortage_swaps_out_under_auto_and_preempts_under_never():
         if expect_swap:
             assert sched.swap_out_blocks > 0 and sched.cpu_running and sched.num_preemptions == 0
         else:
-            assert sched.swap_out_blocks == 0 and sched.num_preemptions > 0
+            assert sched.swap_out_blocks == 0 and set(sched.preemptions) == {"device_full_no_host"}
 
 
 def test_auto_recomputes_instead_of_swapping_out_when_the_cpu_could_not_keep_up():
@@ -130,7 +130,8 @@ def test_auto_recomputes_instead_of_swapping_out_when_the_cpu_could_not_keep_up(
         sched.add(request(i, prompt_len=7))
     for _ in range(12):
         run_step(sched)
-    assert sched.swap_out_blocks == 0 and not sched.cpu_running and sched.num_preemptions > 0
+    assert sched.swap_out_blocks == 0 and not sched.cpu_running
+    assert set(sched.preemptions) == {"device_full_host_would_not_pay"}
 
 
 def test_auto_offloads_only_where_the_host_adds_tokens_per_second():
@@ -296,7 +297,7 @@ def test_preempting_a_request_in_flight_lands_the_copies_before_its_host_blocks_
         advance(out)
         if out.preempted:
             break
-    assert out.preempted == [in_flight] and out.land_swap_outs
+    assert out.preempted == [in_flight] and out.land_swap_outs and sched.preemptions == {"host_full": 1}
     assert not sched.is_swapping_out(in_flight) and sched.gpu_blocks.num_used_blocks == 0
 
 
@@ -314,8 +315,10 @@ def test_a_busy_host_sends_cpu_requests_back_to_the_gpu_and_a_quiet_one_gets_the
     assert sched.swap_out_blocks == swapped and not out.preempted and sched.cpu_running == on_host
     assert {s.request_id for s in out.cpu_decodes} == {s.request_id for s in on_host}
     model.cpu_correction = 2 * HOST_SLOW  # measured host attention: far slower than profiled
+    before = sched.preemptions.get("host_slow", 0)
     out = run_step(sched)
     assert not sched.cpu_running and not out.cpu_decodes and out.preempted
+    assert sched.preemptions["host_slow"] - before == len(on_host)
     assert sched.cpu_blocks.num_used_blocks == 0
     swapped = sched.swap_out_blocks
     for _ in range(3):
