@@ -293,7 +293,11 @@ class TensorParallelRunner:
         """A worker that has exited, waiting up to DEATH_GRACE_S for one that is exiting."""
         sentinels = {w.process.sentinel: w for w in self.workers}
         ready = wait(list(sentinels), DEATH_GRACE_S) if sentinels else []
-        return sentinels[ready[0]] if ready else None
+        if not ready:
+            return None
+        dead = sentinels[ready[0]]
+        dead.process.join(DEATH_GRACE_S)  # its sentinel closes before the kernel has its exit status to give
+        return dead
 
 
 def _interpreter() -> str:
