@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 from loadtest.metrics import Sample, metric_value, poll_metrics
 from loadtest.server import RunningServer
+from loadtest.soak import server_pids
 
 DRAIN_TIMEOUT_S = 30.0  # generous: how quickly the engine drains is for benchmarks to measure, not for tests
 
@@ -36,3 +37,17 @@ def wait_idle(server: RunningServer, timeout: float = DRAIN_TIMEOUT_S) -> list[S
     return wait_for_metrics(
         server, lambda s: (requests_in_engine(s), kv_blocks_used(s)) == (0, 0), "an idle engine", timeout
     )
+
+
+def descendant_pids(server: RunningServer) -> list[int]:
+    """The server's processes: tritonserver, its python-backend stubs and what they started."""
+    return server_pids(server.address.grpc_port)
+
+
+def is_gone(pid: int) -> bool:
+    """Whether a process has exited (a zombie has: only its exit status is left)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True

@@ -19,15 +19,17 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import multiprocessing
+import multiprocessing.spawn
 import os
 import shutil
 import signal
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -165,7 +167,8 @@ class TensorParallelRunner:
             for rank in range(size)
         ]
         try:
-            self.workers = [_spawn(spec) for spec in specs[1:]]
+            with _spawn_executable(_interpreter()):
+                self.workers = [_spawn(spec) for spec in specs[1:]]
             self.local = ModelRunner(config, model_cfg, source, max_model_len, eos_token_ids, join_group(specs[0]))
             for worker in self.workers:
                 self._receive(worker)  # its "ready", or the error it stopped with
@@ -290,7 +293,39 @@ class TensorParallelRunner:
         """A worker that has exited, waiting up to DEATH_GRACE_S for one that is exiting."""
         sentinels = {w.process.sentinel: w for w in self.workers}
         ready = wait(list(sentinels), DEATH_GRACE_S) if sentinels else []
-        return sentinels[ready[0]] if ready else None
+        if not ready:
+            return None
+        dead = sentinels[ready[0]]
+        dead.process.join(DEATH_GRACE_S)  # its sentinel closes before the kernel has its exit status to give
+        return dead
+
+
+def _interpreter() -> str:
+    """The Python the workers run: a program that embeds Python (Triton's python-backend stub) has for
+    sys.executable whichever `python3` its PATH finds first, so there it is this environment's own interpreter.
+    The stub's `__main__` is no file: a worker imports no main module, so not the stub's model.py."""
+    if os.path.realpath(sys.executable) == os.path.realpath("/proc/self/exe"):
+        return sys.executable
+    interpreter = Path(sys.prefix) / "bin" / f"python{sys.version_info.major}.{sys.version_info.minor}"
+    if not os.access(interpreter, os.X_OK):
+        raise ConfigError(
+            f"tensor_parallel_size > 1 needs a Python interpreter for its worker ranks, and this process "
+            f"({os.path.realpath('/proc/self/exe')}) embeds Python without {interpreter}: run it from an "
+            f"environment that has one, or set tensor_parallel_size=1"
+        )
+    return str(interpreter)
+
+
+@contextlib.contextmanager
+def _spawn_executable(interpreter: str) -> Iterator[None]:
+    """multiprocessing's spawn executable is process-wide: ours only while the workers (and the resource tracker
+    they may start) are launched, so other code in this process keeps its own."""
+    previous = multiprocessing.spawn.get_executable()
+    multiprocessing.spawn.set_executable(interpreter)
+    try:
+        yield
+    finally:
+        multiprocessing.spawn.set_executable(previous)
 
 
 def _spawn(spec: RankSpec) -> _Worker:

@@ -4,9 +4,10 @@ instead of hanging the engine, and the knob's validation."""
 
 from __future__ import annotations
 
-import multiprocessing
+import multiprocessing.spawn
 import os
 import signal
+import sys
 import time
 
 import pytest
@@ -47,6 +48,20 @@ def test_two_ranks_give_one_rank_s_greedy_tokens(tiny_model_dirs, workload, refe
     finally:
         engine.close()
     assert not multiprocessing.active_children()
+
+
+def test_workers_start_from_a_program_that_embeds_python(tiny_model_dirs, workload, reference_tokens, monkeypatch):
+    """As in Triton's python-backend stub: sys.executable (and so multiprocessing's spawn executable) is not this
+    process's own program, and may not be a Python at all."""
+    monkeypatch.setattr(sys, "executable", "/bin/false")
+    monkeypatch.setattr(multiprocessing.spawn, "_python_exe", b"/bin/false")
+    prompts, max_tokens = workload
+    engine = offload_engine(tiny_model_dirs["llama3"], 64, offload_policy="never", tensor_parallel_size=2)
+    try:
+        assert collect(engine, prompts[:1], max_tokens[:1], stagger=False) == reference_tokens[:1]
+    finally:
+        engine.close()
+    assert multiprocessing.spawn.get_executable() == b"/bin/false", "the spawn executable must be put back"
 
 
 def test_a_killed_worker_fails_its_requests_and_leaves_no_process(tiny_model_dirs, workload):
