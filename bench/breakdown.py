@@ -31,6 +31,7 @@ import torch  # noqa: E402
 from common import (  # noqa: E402
     DECODE_POINTS,
     LLAMA3_8B,
+    decode_floor_seconds,
     device_copy_bandwidth,
     full_batch_decode_steps,
     matmul_flops,
@@ -39,6 +40,7 @@ from common import (  # noqa: E402
 
 from neo_backend import EngineConfig, LLMEngine  # noqa: E402
 from neo_backend.core.sequence import Placement  # noqa: E402
+from neo_backend.executor.cuda_graphs import capture  # noqa: E402
 from neo_backend.layers import paged_decode  # noqa: E402
 from neo_backend.layers.activation import silu_and_mul  # noqa: E402
 from neo_backend.layers.attention import _sdpa  # noqa: E402
@@ -48,14 +50,8 @@ REPS = 20
 
 
 def graph_seconds(fn: Callable[[], object], device: torch.device) -> float:
-    """Seconds per call of `fn`, `REPS` calls captured in one CUDA graph on the current stream."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    current = torch.cuda.current_stream()
-    with torch.cuda.graph(graph, stream=None if current == torch.cuda.default_stream() else current):
-        for _ in range(REPS):
-            fn()
+    """Seconds per call of `fn`, `REPS` calls captured in one CUDA graph as the engine captures its own."""
+    graph, _ = capture(lambda: [fn() for _ in range(REPS)], None)
     return median_seconds(graph.replay, 5, device=device, warmup=1) / REPS
 
 
@@ -138,8 +134,7 @@ def decode_point(engine: LLMEngine, batch: int, context: int, bandwidth: float) 
     sampler_s = sampler_seconds(engine, batch)
     steps = full_batch_decode_steps(engine, batch, context)
     graph_s = decode_graph_seconds(engine, batch, context)
-    weights = sum(nbytes(p) for p in engine.runner.model.parameters())
-    floor_s = (weights + batch * context * engine.runner.block_bytes // engine.config.block_size) / bandwidth
+    floor_s = decode_floor_seconds(engine, batch, context, bandwidth)
     kernels_ms = sum(r["ms_per_step"] for r in kernels)
     step_ms = statistics.median(steps) * 1e3
     return {

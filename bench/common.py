@@ -62,3 +62,11 @@ def full_batch_decode_steps(engine: LLMEngine, batch: int, context: int, measure
         if not last.get("prefill_tokens") and last.get("gpu_decodes") == batch:
             times.append(time.perf_counter() - start)
     return times[1:] if len(times) > 1 else times
+
+
+def decode_floor_seconds(engine: LLMEngine, batch: int, context: int, bandwidth: float) -> float:
+    """A decode step's floor: the weights and the batch's KV read once at `bandwidth` bytes/s (under tensor
+    parallelism, rank 0's shard)."""
+    weights = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
+    kv_per_token = engine.runner.block_bytes // engine.config.block_size
+    return (weights + batch * context * kv_per_token) / bandwidth

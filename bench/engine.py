@@ -35,6 +35,7 @@ import torch  # noqa: E402
 from common import (  # noqa: E402
     DECODE_POINTS,
     LLAMA3_8B,
+    decode_floor_seconds,
     device_copy_bandwidth,
     full_batch_decode_steps,
     matmul_flops,
@@ -82,8 +83,6 @@ def run_trace(engine: LLMEngine, num_requests: int, prompt_len: int, output_len:
 def roofline(engine: LLMEngine) -> dict:
     device = engine.runner.device
     cfg = engine.model_config
-    weight_bytes = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
-    kv_bytes_per_token = engine.runner.block_bytes // engine.config.block_size
     with engine.runner.device_scope():
         copy_bw = device_copy_bandwidth(device)
         peak = matmul_flops(device)
@@ -91,7 +90,7 @@ def roofline(engine: LLMEngine) -> dict:
     points = []
     for batch, context in DECODE_POINTS:
         step_s = statistics.median(full_batch_decode_steps(engine, batch, context))
-        floor_s = (weight_bytes + batch * context * kv_bytes_per_token) / copy_bw
+        floor_s = decode_floor_seconds(engine, batch, context, copy_bw)
         points.append(
             {
                 "batch": batch,
