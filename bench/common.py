@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -45,22 +46,36 @@ def take_blocks(pool_size: int, count: int, rng: random.Random) -> list[int]:
     return rng.sample(range(pool_size), count)
 
 
+def timed_iterations(engine: LLMEngine) -> Iterator[tuple[float, dict, list]]:
+    """Run the engine until no request is left; for each iteration read back, the seconds of the `step()` calls
+    since the one before, its record (`last_iteration`) and that call's outputs. With overlapped steps a call
+    reads back the step the call before launched, and waits for the device to finish it."""
+    previous, seconds = engine.counters.last_iteration, 0.0
+    while engine.has_unfinished_requests():
+        start = time.perf_counter()
+        outputs = engine.step()
+        seconds += time.perf_counter() - start
+        last = engine.counters.last_iteration
+        if last is not previous:
+            yield seconds, last, outputs
+            previous, seconds = last, 0.0
+
+
 def full_batch_decode_steps(engine: LLMEngine, batch: int, context: int, measured: int = 8) -> list[float]:
     """Seconds of the decode-only `engine.step()`s that carry all `batch` requests, their contexts near `context`
-    (requests prefilled early decode in the mixed steps that prefill the rest, so they get that many more tokens)."""
+    (requests prefilled early decode in the mixed steps that prefill the rest, so they get that many more tokens).
+    The call that finishes the requests is left out: with overlapped steps it only reads the last step back."""
     rng = random.Random(context)
     vocab = min(engine.model_config.vocab_size, len(engine.tokenizer))
     max_tokens = batch * context // engine.config.max_num_batched_tokens + 2 + measured
     for _ in range(batch):
         prompt = [rng.randrange(vocab) for _ in range(context - max_tokens // 2)]
         engine.add_request(prompt, {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
-    times = []
-    while engine.has_unfinished_requests():
-        start = time.perf_counter()
-        engine.step()
-        last = engine.counters.last_iteration
-        if not last.get("prefill_tokens") and last.get("gpu_decodes") == batch:
-            times.append(time.perf_counter() - start)
+    times = [
+        seconds
+        for seconds, last, _ in timed_iterations(engine)
+        if not last["prefill_tokens"] and last["gpu_decodes"] == batch and engine.has_unfinished_requests()
+    ]
     return times[1:] if len(times) > 1 else times
 
 

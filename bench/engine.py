@@ -39,6 +39,7 @@ from common import (  # noqa: E402
     device_copy_bandwidth,
     full_batch_decode_steps,
     matmul_flops,
+    timed_iterations,
 )
 
 from neo_backend import EngineConfig, LLMEngine  # noqa: E402
@@ -54,12 +55,8 @@ def run_trace(engine: LLMEngine, num_requests: int, prompt_len: int, output_len:
     prefill_tokens = decode_tokens = 0
     decode_steps: list[float] = []
     start = time.perf_counter()
-    while engine.has_unfinished_requests():
-        t0 = time.perf_counter()
-        outputs = engine.step()
-        dt = time.perf_counter() - t0
-        last = engine.counters.last_iteration
-        if last.get("prefill_tokens"):
+    for dt, last, outputs in timed_iterations(engine):
+        if last["prefill_tokens"]:
             prefill_time += dt
             prefill_tokens += last["prefill_tokens"]
         else:

@@ -21,6 +21,7 @@ from .errors import ConfigError, NeoError
 
 OFFLOAD_POLICIES = ("auto", "never", "always")
 PIPELINE_MODES = ("auto", "on", "off")
+OVERLAP_MODES = ("auto", "on", "off")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cuda", "cpu")
 LOAD_FORMATS = ("auto", "hf", "gguf", "dummy")
@@ -68,6 +69,15 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_queue_size: int = field(default=1024, metadata={"help": "waiting requests beyond which new ones are refused"})
     enforce_eager: bool = field(default=False, metadata={"help": "disable CUDA graphs for decode"})
+    overlap_steps: str = field(
+        default="auto",
+        metadata={
+            "choices": OVERLAP_MODES,
+            "help": "launch each step before the previous one's tokens are read back (the device feeds them to it) "
+            "and make outputs while it runs; auto: on CUDA at tensor_parallel_size 1. Steps with requests on the "
+            "host, swaps or penalties run one at a time",
+        },
+    )
     # NEO offload
     offload_policy: str = field(default="auto", metadata={"choices": OFFLOAD_POLICIES})
     cpu_kv_cache_gb: float = field(
@@ -136,6 +146,8 @@ class EngineConfig:
             raise ConfigError(f"cpu_kv_cache_gb must be >= 0, got {self.cpu_kv_cache_gb}")
         if self.engine_cpu is not None and self.engine_cpu < 0:
             raise ConfigError(f"engine_cpu must be a CPU number >= 0, got {self.engine_cpu}")
+        if self.overlap_steps == "on" and self.tensor_parallel_size > 1:
+            raise ConfigError("overlap_steps=on needs tensor_parallel_size 1 (worker ranks run steps one at a time)")
         if self.max_logprobs < 0:
             raise ConfigError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
 

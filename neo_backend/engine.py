@@ -15,9 +15,9 @@ from .core.outputs import RequestMetrics, RequestOutput
 from .core.sampling_params import SamplingParams
 from .core.scheduler import Scheduler
 from .core.scheduler_output import SchedulerOutput
-from .core.sequence import Sequence, SequenceStatus
+from .core.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from .errors import ConfigError, EngineDeadError, InvalidRequestError, KernelError
-from .executor.model_runner import ModelRunner
+from .executor.model_runner import LaunchedStep, ModelRunner
 from .executor.profiler import load_or_profile
 from .executor.tp_workers import TensorParallelRunner
 from .layers.sampler import SampleResult
@@ -33,12 +33,26 @@ class EngineCounters:
     generation_tokens: int = 0
     gpu_decode_tokens: int = 0
     cpu_decode_tokens: int = 0
+    overlapped_steps: int = 0  # launched before the step before them was read back
     modes: dict[str, int] = field(default_factory=dict)
     failures: dict[str, int] = field(default_factory=dict)
     last_iteration: dict[str, Any] = field(default_factory=dict)
 
     def fail(self, reason: str) -> None:
         self.failures[reason] = self.failures.get(reason, 0) + 1
+
+
+@dataclass
+class InFlightStep:
+    """A step handed to the device whose samples are not read back yet: each sampling sequence holds a
+    `PENDING_TOKEN` at `positions[row]` of its token ids until then."""
+
+    batch: SchedulerOutput
+    launched: LaunchedStep
+    positions: list[int]
+    started: float  # time.monotonic() at launch
+    schedule_seconds: float
+    overlapped: bool  # launched before the step before it was read back: measured when read back
 
 
 class LLMEngine:
@@ -60,12 +74,19 @@ class LLMEngine:
         self.counters = EngineCounters()
         self._seqs: dict[str, Sequence] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        mode = self.config.overlap_steps
+        self.overlap_steps = mode == "on" or (
+            mode == "auto" and self.config.tensor_parallel_size == 1 and self.runner.runs_async
+        )
+        self._in_flight: InFlightStep | None = None
         log.info(
-            "engine ready: max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d, tensor_parallel_size %d",
+            "engine ready: max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d, tensor_parallel_size %d, "
+            "overlapped steps %s",
             self.max_model_len,
             self.config.max_num_seqs,
             self.config.max_num_batched_tokens,
             self.config.tensor_parallel_size,
+            "on" if self.overlap_steps else "off",
         )
 
     def _init_scheduling(self, max_len: int) -> None:
@@ -197,6 +218,7 @@ class LLMEngine:
             "swap_out_blocks": sched.swap_out_blocks,
             "swap_in_blocks": sched.swap_in_blocks,
             "gpu_decode_tokens": self.counters.gpu_decode_tokens,
+            "overlapped_steps": self.counters.overlapped_steps,
             "cpu_decode_tokens": self.counters.cpu_decode_tokens,
             "modes": dict(self.counters.modes),
             "cpu_correction": round(self.perf_model.cpu_correction, 3) if self.perf_model else None,
@@ -226,50 +248,108 @@ class LLMEngine:
             raise EngineDeadError(f"engine is not running: {failure}")
 
     def _step(self) -> list[RequestOutput]:
+        """Schedule and launch a step. An overlapped step is launched before the step in flight is read back, and
+        that one's outputs are made while the device runs it; other steps run one at a time, as do all of them
+        while requests use the host (its scheduling then wants every token read back)."""
+        outputs = self._read_back() if self.scheduler.host_in_use else []
         scheduling = time.monotonic()
         self.scheduler.swaps_landed(self.runner.land_swap_outs(wait=False))
         batch = self.scheduler.schedule()
+        overlapped = self._can_overlap(batch)
+        if not overlapped:
+            outputs += self._read_back()
+            batch.drop_finished()
         self.runner.swap(batch)
         if batch.is_empty:
-            return []
-        now = time.monotonic()
+            return outputs + self._read_back()
+        start = time.monotonic()
         for seq, _ in batch.scheduled():
             if seq.first_scheduled_time is None:
-                seq.first_scheduled_time = now
+                seq.first_scheduled_time = start
         host = self.runner.host_attention
         host_seconds_before = host.seconds if host else 0.0
+        previous = self._in_flight.launched.sample if self._in_flight else None
         try:
-            sampled, result = self.runner.execute(batch)
+            launched = self.runner.execute(batch, previous)
         except KernelError as exc:
             self._fail_over_to_gpu(exc)
-            return []
+            return outputs + self._read_back()
         except EngineDeadError:
             raise
         except Exception as exc:  # an iteration that breaks fails the requests it carried, not the server
             log.exception("iteration failed; failing its %d requests", len(batch.scheduled()))
+            outputs += self._read_back()
             message = f"internal error while running this request: {type(exc).__name__}: {exc}"
-            return [self.fail(seq.request_id, message) for seq, _ in batch.scheduled()]
+            failed = [self.fail(seq.request_id, message) for seq, _ in batch.scheduled()]
+            return outputs + [out for out in failed if out is not None]
         for seq, n in batch.scheduled():
             seq.num_computed_tokens += n
         self.runner.start_swap_outs(self.scheduler.offload(batch.offload_after_step))
-        self._record_iteration(batch, now, (host.seconds if host else 0.0) - host_seconds_before, now - scheduling)
+        positions = self._add_pending_tokens(launched.seqs)
+        step = InFlightStep(batch, launched, positions, start, start - scheduling, overlapped)
+        if overlapped:
+            outputs += self._read_back()
+        else:
+            if launched.sample is not None:
+                launched.sample.result()
+            host_seconds = (host.seconds if host else 0.0) - host_seconds_before
+            self._record_iteration(batch, time.monotonic() - start, host_seconds, step.schedule_seconds, False)
+        self._in_flight = step
+        return outputs if overlapped else outputs + self._read_back()
+
+    def _can_overlap(self, batch: SchedulerOutput) -> bool:
+        """Whether `batch` may be launched before the step in flight is read back: GPU work alone, no swap, and no
+        penalty (it reads the request's tokens on the host)."""
+        if not self.overlap_steps or batch.cpu_decodes or batch.swap_in or batch.swap_out or batch.land_swap_outs:
+            return False
+        seqs = batch.gpu_decodes + [seq for seq, _ in batch.prefills]
+        return not any(seq.params.has_penalties for seq in seqs)
+
+    def _add_pending_tokens(self, seqs: list[Sequence]) -> list[int]:
+        """Each sampling sequence's next token stands as `PENDING_TOKEN` until read back; returns where."""
+        positions = []
+        for seq in seqs:
+            seq.token_ids.append(PENDING_TOKEN)
+            positions.append(len(seq.token_ids) - 1)
+            seq.finishing = seq.num_output_tokens >= seq.params.max_tokens or len(seq.token_ids) >= self.max_model_len
+        return positions
+
+    def _read_back(self) -> list[RequestOutput]:
+        """The step in flight's samples into its sequences, and their outputs (none for requests that finished
+        meanwhile: their token was computed in vain)."""
+        step, self._in_flight = self._in_flight, None
+        if step is None:
+            return []
+        launched = step.launched
+        try:
+            result = launched.sample.result() if launched.sample is not None else None
+            if step.overlapped:
+                measured = launched.device_seconds() or time.monotonic() - step.started
+                self._record_iteration(step.batch, measured, 0.0, step.schedule_seconds, True)
+        except Exception as exc:  # the device failed the step: its requests fail, not the server
+            log.exception("reading back an iteration failed; failing its %d requests", len(launched.seqs))
+            message = f"internal error while running this request: {type(exc).__name__}: {exc}"
+            failed = [self.fail(seq.request_id, message) for seq in launched.seqs if not seq.finished]
+            return [out for out in failed if out is not None]
         if result is None:
             return []
-        outputs = []
         now = time.monotonic()
-        for i, seq in enumerate(sampled):
-            outputs.append(self._process_sample(seq, result, i, now))
-        return outputs
+        return [
+            self._process_sample(seq, index, result, row, now)
+            for row, (seq, index) in enumerate(zip(launched.seqs, step.positions))
+            if not seq.finished
+        ]
 
-    def _process_sample(self, seq: Sequence, result: SampleResult, row: int, now: float) -> RequestOutput:
-        """Append one sampled token; a failure here (non-finite logits, detokenization) fails this request only."""
+    def _process_sample(self, seq: Sequence, index: int, result: SampleResult, row: int, now: float) -> RequestOutput:
+        """Put one sampled token at `index` of the sequence's tokens; a failure here (non-finite logits,
+        detokenization) fails this request only."""
         if row in result.non_finite_rows:
             return self.fail(seq.request_id, "the model produced non-finite logits for this request", "nan")
         try:
             entry = None
             if seq.params.logprobs is not None:
                 entry = {result.token_ids[row]: result.logprobs[row], **(result.top_logprobs[row] or {})}
-            return self._append_token(seq, result.token_ids[row], result.logprobs[row], entry, now)
+            return self._append_token(seq, index, result.token_ids[row], result.logprobs[row], entry, now)
         except Exception as exc:
             log.exception("request %s failed while processing its output", seq.request_id)
             return self.fail(seq.request_id, f"output processing failed: {type(exc).__name__}: {exc}")
@@ -303,14 +383,14 @@ class LLMEngine:
     # Internals --------------------------------------------------------------------------------------------
 
     def _record_iteration(
-        self, batch: SchedulerOutput, start: float, host_seconds: float, schedule_seconds: float
+        self, batch: SchedulerOutput, measured: float, host_seconds: float, schedule_seconds: float, overlapped: bool
     ) -> None:
         c = self.counters
         c.prompt_tokens += batch.num_prefill_tokens
         c.gpu_decode_tokens += len(batch.gpu_decodes)
         c.cpu_decode_tokens += len(batch.cpu_decodes)
         c.modes[batch.mode] = c.modes.get(batch.mode, 0) + 1
-        measured = time.monotonic() - start
+        c.overlapped_steps += overlapped
         if self.perf_model is not None:
             self.perf_model.observe_iteration(batch.predicted_time, measured, bool(batch.cpu_decodes))
             if batch.cpu_decodes:
@@ -328,31 +408,40 @@ class LLMEngine:
             "schedule_s": round(schedule_seconds, 6),
         }
 
-    def _append_token(self, seq: Sequence, token: int, logprob: float, logprob_entry, now: float) -> RequestOutput:
-        seq.token_ids.append(token)
+    def _append_token(
+        self, seq: Sequence, index: int, token: int, logprob: float, logprob_entry, now: float
+    ) -> RequestOutput:
+        seq.token_ids[index] = token
         seq.cumulative_logprob += logprob
         seq.first_token_time = seq.first_token_time or now
         self.counters.generation_tokens += 1
+        num_output_tokens = index + 1 - seq.num_prompt_tokens
         detok = self._detokenizers[seq.request_id]
-        detok.add_token(token, check_stop=seq.num_output_tokens >= seq.params.min_tokens)
-        reason = self._finish_reason(seq, token, detok)
+        detok.add_token(token, check_stop=num_output_tokens >= seq.params.min_tokens)
+        reason = self._finish_reason(seq, token, num_output_tokens, detok)
         if reason:
+            del seq.token_ids[index + 1 :]
             out = self._finish(seq, reason)
             out.token_ids = [token]
         else:
-            out = self._output(seq, detok.take_delta(final=False), [token])
+            out = self._output(seq, detok.take_delta(final=False), [token], num_output_tokens)
         out.logprobs = None if logprob_entry is None else [logprob_entry]
         return out
 
-    def _finish_reason(self, seq: Sequence, token: int, detok: IncrementalDetokenizer) -> str | None:
+    def _finish_reason(
+        self, seq: Sequence, token: int, num_output_tokens: int, detok: IncrementalDetokenizer
+    ) -> str | None:
         p = seq.params
         if (not p.ignore_eos and token in self.tokenizer.eos_token_ids) or token in p.stop_token_ids or detok.stopped:
             return "stop"
-        if seq.num_output_tokens >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
+        if num_output_tokens >= p.max_tokens or seq.num_prompt_tokens + num_output_tokens >= self.max_model_len:
             return "length"
         return None
 
     def _finish(self, seq: Sequence, reason: str) -> RequestOutput:
+        """Take the request out; tokens of it still on their way from the device are dropped."""
+        while seq.token_ids[-1] == PENDING_TOKEN:
+            seq.token_ids.pop()
         if self.scheduler.is_swapping_out(seq):
             self._land_swap_outs()
         self.scheduler.remove(seq)
@@ -361,13 +450,13 @@ class LLMEngine:
         seq.finish_time = time.monotonic()
         detok = self._detokenizers.pop(seq.request_id)
         del self._seqs[seq.request_id]
-        out = self._output(seq, detok.take_delta(final=True) if reason != "error" else "", [])
+        out = self._output(seq, detok.take_delta(final=True) if reason != "error" else "", [], seq.num_output_tokens)
         out.metrics = RequestMetrics(
             seq.arrival_time, seq.first_scheduled_time, seq.first_token_time, seq.finish_time, seq.num_output_tokens
         )
         return out
 
-    def _output(self, seq: Sequence, text: str, token_ids: list[int]) -> RequestOutput:
+    def _output(self, seq: Sequence, text: str, token_ids: list[int], num_output_tokens: int) -> RequestOutput:
         return RequestOutput(
             seq.request_id,
             text,
@@ -375,7 +464,7 @@ class LLMEngine:
             seq.finished,
             seq.finish_reason,
             seq.num_prompt_tokens,
-            seq.num_output_tokens,
+            num_output_tokens,
             seq.cumulative_logprob,
             error=seq.error,
         )

@@ -99,6 +99,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def has_penalties(self) -> bool:
+        """Whether sampling reads the request's tokens so far (repetition, presence or frequency penalty)."""
+        return self.repetition_penalty != 1.0 or bool(self.presence_penalty) or bool(self.frequency_penalty)
+
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> SamplingParams:
         """Build from a JSON-like mapping; unknown keys are an error naming them."""

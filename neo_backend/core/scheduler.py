@@ -80,6 +80,14 @@ class Scheduler:
         """The host's attention itself runs far slower than profiled: other processes hold its cores."""
         return self.perf is not None and self.perf.cpu_correction > HOST_SLOW
 
+    @property
+    def host_in_use(self) -> bool:
+        """Requests live on the host or are on their way there, or the next iteration may send some (prompts wait
+        for device memory under an offloading policy): the engine then schedules on every token read back."""
+        if self.cpu_running or self._swaps_in_flight:
+            return True
+        return self.policy != "never" and self._prompts_wait_for_memory()
+
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
@@ -180,6 +188,9 @@ class Scheduler:
         idx = 0
         while idx < len(self.running) and budget > 0:
             seq = self.running[idx]
+            if seq.finishing:
+                idx += 1
+                continue
             n = 1 if seq.is_decode else min(seq.num_uncomputed_tokens, budget)
             if not self._grow_on_gpu(seq, seq.num_computed_tokens + n, out):
                 continue  # seq left the running queue; the same idx now holds the next one
@@ -206,8 +217,8 @@ class Scheduler:
     def _grow_cpu_running(self, out: SchedulerOutput) -> list[Sequence]:
         ready = []
         for seq in list(self.cpu_running):
-            if seq not in self.cpu_running or self.is_swapping_out(seq):
-                continue  # preempted below to make room for an older one, or still copying to the host
+            if seq not in self.cpu_running or self.is_swapping_out(seq) or seq.finishing:
+                continue  # preempted below to make room for an older one, still copying to the host, or done
             while not self.cpu_blocks.can_grow(seq, len(seq.token_ids)):
                 victim = self.cpu_running[-1]
                 self._preempt(victim, out, "host_full")
@@ -300,7 +311,7 @@ class Scheduler:
 
     def _newest_swappable(self) -> Sequence | None:
         for seq in reversed(self.running):
-            if seq.is_decode and seq.request_id not in self._swapped_in:
+            if seq.is_decode and not seq.finishing and seq.request_id not in self._swapped_in:
                 return seq
         return None
 

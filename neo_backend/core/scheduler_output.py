@@ -61,5 +61,13 @@ class SchedulerOutput:
         ctx = sum(len(s.token_ids) for s in self.gpu_decodes) + sum(s.num_computed_tokens + n for s, n in self.prefills)
         return tokens, ctx
 
+    def drop_finished(self) -> None:
+        """Leave out requests that finished after this plan was made (their last token was read back after it):
+        their blocks are free."""
+        self.prefills = [(s, n) for s, n in self.prefills if not s.finished]
+        self.gpu_decodes = [s for s in self.gpu_decodes if not s.finished]
+        self.split = sum(not s.finished for s in self.cpu_decodes[: self.split])
+        self.cpu_decodes = [s for s in self.cpu_decodes if not s.finished]
+
     def scheduled(self) -> list[tuple[Sequence, int]]:
         return self.prefills + [(s, 1) for s in self.gpu_decodes + self.cpu_decodes]

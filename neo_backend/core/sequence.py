@@ -10,6 +10,10 @@ import torch
 
 from .sampling_params import SamplingParams
 
+# Where a sampled token still on its way from the device stands in `Sequence.token_ids` (overlapped steps: the
+# engine launches the next step before it reads the token back, and the device feeds it to that step).
+PENDING_TOKEN = -1
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
@@ -43,6 +47,7 @@ class Sequence:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
+    finishing: bool = False  # its pending token is its last (a length limit): it needs no more steps
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -13,12 +13,12 @@ import torch
 from ..config import EngineConfig, ModelConfig
 from ..core.perf_model import PerfModel
 from ..core.scheduler_output import SchedulerOutput, SwapOut
-from ..core.sequence import Sequence
+from ..core.sequence import PENDING_TOKEN, Sequence
 from ..cpu.abi import SUPPORTED_HEAD_DIMS
 from ..errors import ConfigError
 from ..layers.attention import AttentionMetadata, PrefillChunk
 from ..layers.parallel import TensorParallel
-from ..layers.sampler import Sampler, SampleResult
+from ..layers.sampler import PendingSample, Sampler
 from ..models.loader import ModelSource, load_model
 from .cuda_graphs import DecodeGraphs, DecodeInputs, LaneGraphs
 from .gpu_partition import sm_partition
@@ -260,21 +260,39 @@ class ModelRunner:
         self._swaps_in_flight = [r for r in self._swaps_in_flight if self.swapper.in_transit(r)]
         return landed
 
+    @property
+    def runs_async(self) -> bool:
+        """Whether `execute` returns before the device has run the step (CUDA): the engine can then prepare the
+        next step meanwhile (`EngineConfig.overlap_steps`)."""
+        return self.device.type == "cuda"
+
     @torch.inference_mode()
-    def execute(self, batch: SchedulerOutput) -> tuple[list[Sequence], SampleResult | None]:
-        """Run one step; returns the sequences that sampled a token, and their samples."""
+    def execute(self, batch: SchedulerOutput, previous: PendingSample | None = None) -> LaunchedStep:
+        """Launch one step, its sampling and the samples' copy to the host. Decode rows whose input token is still
+        pending (`PENDING_TOKEN`) take it from `previous`, the step before, on the device."""
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if self.device.type == "cuda" else None
+        if events:
+            events[0].record()
+        seqs, sample = self._launch(batch, previous)
+        if events:
+            events[1].record()
+        return LaunchedStep(seqs, sample, events)
+
+    def _launch(
+        self, batch: SchedulerOutput, previous: PendingSample | None
+    ) -> tuple[list[Sequence], PendingSample | None]:
         if self.swapper is not None:
             self.swapper.wait_swap_in()
         if batch.cpu_decodes:
             split = batch.split if batch.pipelined else len(batch.cpu_decodes)
-            steps = [self.prepare(batch.prefills, batch.gpu_decodes, batch.cpu_decodes[:split])]
+            steps = [self.prepare(batch.prefills, batch.gpu_decodes, batch.cpu_decodes[:split], previous)]
             if split < len(batch.cpu_decodes):
-                steps.append(self.prepare([], [], batch.cpu_decodes[split:]))
+                steps.append(self.prepare([], [], batch.cpu_decodes[split:], previous))
             hiddens = self.pipeline.run(self.model, [s.sub for s in steps])
             hidden = torch.cat([h[s.sample_rows] for h, s in zip(hiddens, steps)])
             sample_seqs = [seq for s in steps for seq in s.sample_seqs]
         else:
-            step = self.prepare(batch.prefills, batch.gpu_decodes, [])
+            step = self.prepare(batch.prefills, batch.gpu_decodes, [], previous)
             sub = step.sub
             if (
                 self.decode_graphs is not None
@@ -290,7 +308,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)  # every rank's part of the vocabulary is gathered
         if self.tp.rank > 0:
             return sample_seqs, None
-        return sample_seqs, self.sampler(logits, sample_seqs)
+        return sample_seqs, self.sampler.launch(logits, sample_seqs)
 
     def profile(self) -> PerfModel:
         """The performance model's measurements; at tensor_parallel_size > 1 every rank takes them at once (the
@@ -302,7 +320,11 @@ class ModelRunner:
             self.pipeline.shutdown()
 
     def prepare(
-        self, prefills: list[tuple[Sequence, int]], gpu_decodes: list[Sequence], cpu_decodes: list[Sequence]
+        self,
+        prefills: list[tuple[Sequence, int]],
+        gpu_decodes: list[Sequence],
+        cpu_decodes: list[Sequence],
+        previous: PendingSample | None = None,
     ) -> PreparedStep:
         """Flatten one (sub-)batch into tensors: tokens laid out as [prefill chunks | GPU decodes | CPU decodes]."""
         bs = self.block_size
@@ -323,8 +345,13 @@ class ModelRunner:
                 sample_seqs.append(seq)
         num_prefill = len(ids)
         decodes = gpu_decodes + cpu_decodes
+        pending: list[tuple[int, int]] = []  # (input row, row of `previous`) of tokens still on the device
         for seq in decodes:
-            ids.append(seq.token_ids[-1])
+            token = seq.token_ids[-1]
+            if token == PENDING_TOKEN:
+                pending.append((len(ids), previous.row_of[seq.request_id]))
+                token = 0
+            ids.append(token)
             pos.append(len(seq.token_ids) - 1)
         slots.extend(_slot(seq, len(seq.token_ids) - 1, bs) for seq in gpu_decodes)
         sample_rows.extend(range(num_prefill, num_prefill + len(decodes)))
@@ -343,7 +370,11 @@ class ModelRunner:
                 context_lens=torch.tensor([len(s.token_ids) for s in cpu_decodes], dtype=torch.int32),
                 slots=torch.tensor([_slot(s, len(s.token_ids) - 1, bs) for s in cpu_decodes], dtype=torch.long),
             )
-        sub = SubBatch(self._tensor(ids, torch.long), self._tensor(pos, torch.long), meta, host_batch)
+        input_ids = self._tensor(ids, torch.long)
+        if pending:
+            rows, sources = self._tensor(list(zip(*pending)), torch.long)
+            input_ids.index_copy_(0, rows, previous.token_ids.index_select(0, sources))
+        sub = SubBatch(input_ids, self._tensor(pos, torch.long), meta, host_batch)
         return PreparedStep(sub, self._tensor(sample_rows, torch.long), sample_seqs)
 
     @staticmethod
@@ -364,6 +395,24 @@ class ModelRunner:
 
 def _slot(seq: Sequence, position: int, block_size: int) -> int:
     return seq.block_table[position // block_size] * block_size + position % block_size
+
+
+@dataclass
+class LaunchedStep:
+    """A step handed to the device: the sequences that sample a token, in row order, and their samples (None on
+    ranks > 0, which do not sample)."""
+
+    seqs: list[Sequence]
+    sample: PendingSample | None
+    events: list[torch.cuda.Event] | None  # on CUDA: recorded before and after the step's work
+
+    def device_seconds(self) -> float | None:
+        """The step's time on the device, from its first kernel to its samples' copy; waits for it to end."""
+        if self.events is None:
+            return None
+        started, ended = self.events
+        ended.synchronize()
+        return started.elapsed_time(ended) / 1e3
 
 
 @dataclass

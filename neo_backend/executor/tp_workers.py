@@ -38,13 +38,11 @@ import torch.distributed as dist
 from ..config import EngineConfig, ModelConfig
 from ..core.perf_model import PerfModel
 from ..core.scheduler_output import SchedulerOutput, SwapOut
-from ..core.sequence import Sequence
 from ..cpu.affinity import attention_cpus
 from ..errors import ConfigError, EngineDeadError, NeoError
 from ..layers.parallel import TensorParallel
-from ..layers.sampler import SampleResult
 from ..models.loader import ModelSource
-from .model_runner import ModelRunner, resolve_device
+from .model_runner import LaunchedStep, ModelRunner, resolve_device
 from .step_mirror import SequenceMirror, StepSender
 
 COLLECTIVE_TIMEOUT_S = 300.0  # a rank that is alive but stuck; weight loading on every rank fits in it
@@ -209,7 +207,7 @@ class TensorParallelRunner:
                 self._tell("land_swap_outs", landed)
             return landed
 
-    def execute(self, batch: SchedulerOutput) -> tuple[list[Sequence], SampleResult | None]:
+    def execute(self, batch: SchedulerOutput) -> LaunchedStep:
         with self._in_step():
             self._tell("execute", self.sender.order(batch))
             return self.local.execute(batch)

@@ -17,14 +17,51 @@ class SampleResult:
     non_finite_rows: set[int]  # rows whose logits held NaN or inf: their requests fail
 
 
+class PendingSample:
+    """A batch's samples on their way to host memory. `token_ids` stays on the device, where the next step can
+    take its inputs from before the host has read them (`row_of`); `result` waits for the copies."""
+
+    def __init__(self, seqs: list[Sequence], device_tensors: list[torch.Tensor], num_logprobs: list[int]) -> None:
+        self.token_ids = device_tensors[1]
+        self.row_of = {seq.request_id: row for row, seq in enumerate(seqs)}
+        self._num_logprobs = num_logprobs
+        self._copied: torch.cuda.Event | None = None
+        if self.token_ids.device.type == "cuda":
+            self._host = [
+                torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) for t in device_tensors
+            ]
+            # A blocking event: `result` sleeps instead of spinning, leaving the core to the process's other threads
+            # (response senders; the effect on token gaps is in bench/RESULTS.md).
+            self._copied = torch.cuda.Event(blocking=True)
+            self._copied.record()
+        else:
+            self._host = device_tensors
+        self._result: SampleResult | None = None
+
+    def result(self) -> SampleResult:
+        if self._result is None:
+            if self._copied is not None:
+                self._copied.synchronize()
+            finite, tokens, chosen, top_values, top_ids = self._host
+            tops: list[dict[int, float] | None] = []
+            for row, n in enumerate(self._num_logprobs):
+                tops.append(dict(zip(top_ids[row, :n].tolist(), top_values[row, :n].tolist())) if n else None)
+            non_finite = set((~finite).nonzero().flatten().tolist())
+            self._result = SampleResult(tokens.tolist(), chosen.tolist(), tops, non_finite)
+        return self._result
+
+
 class Sampler:
     def __init__(self, eos_token_ids: tuple[int, ...], seed: int) -> None:
         self.eos_token_ids = eos_token_ids
         self.default_generator: torch.Generator | None = None
         self.seed = seed
-        self.copied: torch.cuda.Event | None = None
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
+        return self.launch(logits, seqs).result()
+
+    def launch(self, logits: torch.Tensor, seqs: list[Sequence]) -> PendingSample:
+        """Queue the sampling of one token per row and the copy of the samples to host memory; nothing waits."""
         finite = torch.isfinite(logits).all(dim=-1)
         logits = logits.masked_fill(~finite.unsqueeze(1), 0.0)
         raw_logprobs = torch.log_softmax(logits, dim=-1)
@@ -32,37 +69,13 @@ class Sampler:
         logits = self._apply_min_tokens(logits, seqs)
         tokens = self._sample(logits, seqs)
         chosen = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
-        num_top = max(s.params.logprobs or 0 for s in seqs)
+        num_logprobs = [s.params.logprobs or 0 for s in seqs]
+        num_top = max(num_logprobs)
         top_values, top_ids = raw_logprobs.topk(num_top) if num_top else (chosen, tokens)
-        finite, tokens, chosen, top_values, top_ids = self.to_host(finite, tokens, chosen, top_values, top_ids)
-        tops: list[dict[int, float] | None] = []
-        for row, seq in enumerate(seqs):
-            n = seq.params.logprobs
-            tops.append(dict(zip(top_ids[row, :n].tolist(), top_values[row, :n].tolist())) if n else None)
-        non_finite = set((~finite).nonzero().flatten().tolist())
-        return SampleResult(tokens.tolist(), chosen.tolist(), tops, non_finite)
-
-    def to_host(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
-        """Copies of `tensors` in host memory, after one wait for the step that sleeps instead of spinning.
-
-        A spinning read-back keeps the engine thread busy through the whole GPU step, on a core the process's
-        other threads (response senders) could use (its effect on token gaps: bench/RESULTS.md).
-        """
-        if tensors[0].device.type != "cuda":
-            return list(tensors)
-        host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) for t in tensors]
-        if self.copied is None:
-            self.copied = torch.cuda.Event(blocking=True)
-        self.copied.record()
-        self.copied.synchronize()
-        return host
+        return PendingSample(seqs, [finite, tokens, chosen, top_values, top_ids], num_logprobs)
 
     def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        rows = [
-            i
-            for i, s in enumerate(seqs)
-            if s.params.repetition_penalty != 1.0 or s.params.presence_penalty or s.params.frequency_penalty
-        ]
+        rows = [i for i, s in enumerate(seqs) if s.params.has_penalties]
         if not rows:
             return logits
         logits = logits.clone()

@@ -89,6 +89,7 @@ def test_cuda_logits_match_cpu_engine(tiny_model_dirs):
 @pytest.mark.parametrize(
     "policy,pipeline,sm_count",
     [
+        ("never", "auto", None),
         ("always", "off", None),
         ("always", "on", None),
         ("auto", "auto", None),
@@ -98,7 +99,8 @@ def test_cuda_logits_match_cpu_engine(tiny_model_dirs):
     ],
 )
 def test_cuda_greedy_unchanged_by_offload(tiny_model_dirs, policy, pipeline, sm_count, monkeypatch):
-    """Against the whole GPU under `never`: the same tokens with offloading, and on an 8-SM partition."""
+    """Against the whole GPU under `never`, its steps one at a time: the same tokens with overlapped steps (in a
+    pool small enough to preempt), with offloading, and on an 8-SM partition."""
     prompts, max_tokens = mixed_requests(32, seed=21)
     base = LLMEngine(
         EngineConfig(
@@ -108,6 +110,7 @@ def test_cuda_greedy_unchanged_by_offload(tiny_model_dirs, policy, pipeline, sm_
             num_gpu_blocks=512,
             block_size=16,
             offload_policy="never",
+            overlap_steps="off",
         )
     )
     expected = collect(base, prompts, max_tokens, stagger=True)
@@ -131,6 +134,8 @@ def test_cuda_greedy_unchanged_by_offload(tiny_model_dirs, policy, pipeline, sm_
     assert collect(engine, prompts, max_tokens, stagger=True) == expected
     stats = engine.stats_snapshot()
     assert (stats["cpu_decode_tokens"] > 0) == (policy != "never")
+    if policy == "never":
+        assert stats["overlapped_steps"] > 0
     assert stats["gpu_blocks_used"] == 0 and stats["cpu_blocks_used"] == 0
 
 

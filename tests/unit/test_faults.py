@@ -67,7 +67,7 @@ def test_a_broken_iteration_fails_its_requests_and_the_engine_goes_on(tiny_model
     engine = _tiny_engine(tiny_model_dirs, num_gpu_blocks=128, offload_policy="never")
     expected = engine.generate([[3, 4, 5]], {"max_tokens": 5, "temperature": 0})[0].token_ids
     rid = engine.add_request([3, 4, 5], {"max_tokens": 5, "temperature": 0})
-    monkeypatch.setattr(engine.runner, "execute", lambda batch: (_ for _ in ()).throw(RuntimeError("device lost")))
+    monkeypatch.setattr(engine.runner, "execute", lambda *_: (_ for _ in ()).throw(RuntimeError("device lost")))
     outs = engine.step()
     assert [o.request_id for o in outs] == [rid] and outs[0].finish_reason == "error"
     assert "device lost" in outs[0].error

@@ -64,6 +64,81 @@ def test_smollm_batch_with_preemption_equals_alone():
     assert engine.gpu_blocks.num_free_blocks == 8
 
 
+def _run_to_end(engine: LLMEngine, requests: list[tuple[str, dict]]) -> dict[str, list]:
+    """Each request's outputs, merged: text, tokens, finish reason, output count, logprobs; added two per step."""
+    merged: dict[str, list] = {}
+    pending, steps = list(requests), 0
+    while pending or engine.has_unfinished_requests():
+        for prompt, params in pending[:2]:
+            merged[engine.add_request(prompt, params, request_id=f"r{len(merged)}")] = ["", [], None, 0, []]
+        del pending[:2]
+        for out in engine.step():
+            entry = merged[out.request_id]
+            entry[0] += out.text
+            entry[1] += out.token_ids
+            entry[2:4] = out.finish_reason, out.num_output_tokens
+            entry[4] += out.logprobs or []
+        steps += 1
+        assert steps < 2000, "engine made no progress"
+    return merged
+
+
+def test_overlapped_steps_change_no_output():
+    """Steps launched before the step in flight is read back (its tokens fed to them on the device) give the
+    same outputs as steps run one at a time: greedy, seeded sampling, stop strings, EOS, logprobs, min_tokens,
+    a penalty (whose steps run one at a time), and recompute preemptions in a small pool; no block leaks."""
+    params = [
+        {"max_tokens": 24, "temperature": 0},
+        {"max_tokens": 30, "temperature": 0.9, "top_p": 0.9, "seed": 7},
+        {"max_tokens": 20, "temperature": 0, "stop": [" the"]},
+        {"max_tokens": 40, "temperature": 0, "min_tokens": 10, "logprobs": 2},
+        {"max_tokens": 12, "temperature": 0, "repetition_penalty": 1.3},
+        {"max_tokens": 1, "temperature": 0},
+    ]
+    requests = [(prompt, p) for prompt in PROMPTS for p in params]
+    results, engines = [], []
+    for overlap in ("off", "on"):
+        engine = LLMEngine(
+            EngineConfig(num_gpu_blocks=10, max_num_batched_tokens=64, offload_policy="never", overlap_steps=overlap)
+        )
+        results.append(_run_to_end(engine, requests))
+        engines.append(engine)
+        assert engine.gpu_blocks.num_used_blocks == 0
+    sequential, overlapped = engines
+    assert overlapped.counters.overlapped_steps > 0 and sequential.counters.overlapped_steps == 0
+    assert overlapped.scheduler.num_preemptions > 0
+    assert {entry[2] for entry in results[1].values()} == {"stop", "length"}
+    for request_id, (text, tokens, reason, count, logprobs) in results[0].items():
+        assert results[1][request_id][:4] == [text, tokens, reason, count], request_id
+        theirs = results[1][request_id][4]
+        # the batches differ in make-up (blocks are freed a step later), so logprobs differ in float noise
+        assert [entry.keys() for entry in theirs] == [entry.keys() for entry in logprobs]
+        assert all(e[t] == pytest.approx(o[t], abs=1e-3) for e, o in zip(theirs, logprobs) for t in e)
+
+
+def test_overlapped_steps_abort_and_fail_mid_flight(smollm_engine):
+    engine = LLMEngine(EngineConfig(num_gpu_blocks=64, offload_policy="never", overlap_steps="on"))
+    keep = engine.add_request("The capital of France is", {"max_tokens": 16, "temperature": 0, "ignore_eos": True})
+    dropped = engine.add_request("Once upon a time", {"max_tokens": 16, "temperature": 0, "ignore_eos": True})
+    failed = engine.add_request("def fibonacci(n):", {"max_tokens": 16, "temperature": 0, "ignore_eos": True})
+    tokens: dict[str, list[int]] = {keep: [], dropped: [], failed: []}
+    for _ in range(4):
+        for out in engine.step():
+            tokens[out.request_id] += out.token_ids
+    aborted = engine.abort(dropped)
+    errored = engine.fail(failed, "told to fail")
+    assert aborted.num_output_tokens == len(tokens[dropped]) and errored.num_output_tokens == len(tokens[failed])
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.request_id == keep
+            tokens[keep] += out.token_ids
+    alone = smollm_engine.generate(
+        ["The capital of France is"], {"max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    )
+    assert tokens[keep] == alone[0].token_ids
+    assert engine.gpu_blocks.num_used_blocks == 0
+
+
 def test_seeded_sampling_reproduces(smollm_engine):
     params = {"max_tokens": 16, "temperature": 0.9, "top_p": 0.95, "top_k": 50, "seed": 1234}
     first = smollm_engine.generate(["Tell me a story about"], params)[0]

@@ -18,9 +18,9 @@ class LogitRecorder:
         self.sampler = sampler
         self.logits: list[torch.Tensor] = []
 
-    def __call__(self, logits, seqs):
+    def launch(self, logits, seqs):
         self.logits.append(logits[0].clone())
-        return self.sampler(logits, seqs)
+        return self.sampler.launch(logits, seqs)
 
 
 def engine_logits(engine: LLMEngine, prompt_ids: list[int]) -> tuple[list[int], torch.Tensor]:
