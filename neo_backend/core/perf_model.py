@@ -15,13 +15,16 @@ from __future__ import annotations
 import bisect
 import json
 import logging
-from dataclasses import asdict, dataclass
+import statistics
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 log = logging.getLogger("neo_backend")
 
 CORRECTION_SMOOTHING = 0.3
 RECOVERY = 0.02  # per iteration without CPU work, the corrections drift back toward the prediction
+CPU_OUTLIER_WINDOW = 3  # the host correction follows the median of this many latest observations
+_PRIOR_CPU_RATIOS = [1.0] * (CPU_OUTLIER_WINDOW - 1)  # before any: the profile's own, so a first outlier is one
 
 
 @dataclass
@@ -35,6 +38,7 @@ class PerfModel:
     cpu_correction: float = 1.0  # measured / predicted host attention time (kernel calls alone)
     gpu_only_ratio: float = 1.0  # measured / predicted time of iterations without CPU work
     offload_ratio: float | None = None  # measured / predicted time of iterations with CPU work, once seen
+    recent_cpu_ratios: list[float] = field(default_factory=lambda: _PRIOR_CPU_RATIOS.copy())  # latest, oldest first
 
     def dense(self, tokens: int) -> float:
         """Piecewise linear through the profiled points; the last segment extends beyond them."""
@@ -79,11 +83,19 @@ class PerfModel:
     def reset_observations(self) -> None:
         """Back to the profile: what serving measured so far is forgotten."""
         self.cpu_correction, self.gpu_only_ratio, self.offload_ratio = 1.0, 1.0, None
+        self.recent_cpu_ratios = _PRIOR_CPU_RATIOS.copy()
 
     def observe_cpu(self, predicted: float, measured: float) -> None:
+        """One iteration's host attention, measured against `predicted` (as `cpu_attention` gave it). The correction
+        moves toward the median of the latest observations: one slow iteration among normal ones (a page fault, a
+        cold cache) is not a busy host, while a busy host makes every iteration slow."""
         if predicted <= 0 or measured <= 0:
             return
-        ratio = measured / (predicted / self.cpu_correction)
+        self.recent_cpu_ratios = [
+            *self.recent_cpu_ratios[1 - CPU_OUTLIER_WINDOW :],
+            measured * self.cpu_correction / predicted,
+        ]
+        ratio = statistics.median(self.recent_cpu_ratios)
         self.cpu_correction += CORRECTION_SMOOTHING * (ratio - self.cpu_correction)
 
     def observe_iteration(self, predicted: float, measured: float, with_cpu_work: bool) -> None:

@@ -35,9 +35,12 @@ class HostKVCache:
                 f"{available / 2**30:.1f} GiB is available; lower cpu_kv_cache_gb"
             )
         start = time.monotonic()
-        # Left uninitialized: the kernel reads only slots below a context length, all written before.
-        self.k_caches = [huge_page_tensor(shape, dtype) for _ in range(cfg.num_layers)]
-        self.v_caches = [huge_page_tensor(shape, dtype) for _ in range(cfg.num_layers)]
+        log.info("host KV pool: allocating and zeroing %.2f GiB", nbytes / 2**30)
+        # Zeroed now, so its pages are in place before serving: a block's first write would otherwise fault them in
+        # inside the CPU attention's timing (2 MiB zeroed per fault; far slower on a VM whose memory grows as it
+        # is used), which the scheduler's fail-safe reads as a slow host (bench/RESULTS.md).
+        self.k_caches = [huge_page_tensor(shape, dtype).zero_() for _ in range(cfg.num_layers)]
+        self.v_caches = [huge_page_tensor(shape, dtype).zero_() for _ in range(cfg.num_layers)]
         self.num_blocks = num_blocks
         log.info(
             "host KV pool: %d blocks x %d tokens (%.2f GiB, transparent huge pages: %s) in %.1fs",

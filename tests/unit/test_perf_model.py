@@ -128,17 +128,27 @@ def test_fit_plane_clamps_a_negative_coefficient_to_zero():
 
 
 def test_host_correction_moves_each_observation_toward_the_measured_time():
-    """Host attention measured at twice the profile: every observation brings the prediction closer, and it
-    settles on the measured time."""
+    """Host attention measured at twice the profile: one observation alone is no evidence, every one after it
+    brings the prediction closer, and it settles on the measured time."""
     model = _model()
     raw = model.cpu_attention(8, 8192)
     errors = []
     for _ in range(30):
         model.observe_cpu(model.cpu_attention(8, 8192), 2 * raw)
         errors.append(abs(model.cpu_attention(8, 8192) - 2 * raw))
-    assert all(later < earlier for earlier, later in zip(errors, errors[1:]))
+    assert errors[0] == pytest.approx(raw)
+    assert all(later < earlier for earlier, later in zip(errors[1:], errors[2:]))
     assert model.cpu_attention(8, 8192) == pytest.approx(2 * raw, rel=1e-3)
     assert model.cpu_attention(16, 4096) == pytest.approx(2 * _model().cpu_attention(16, 4096), rel=1e-3)
+
+
+def test_one_slow_host_iteration_among_normal_ones_moves_nothing():
+    """A page fault or a cold cache makes one iteration slow; the fail-safe must not read it as a busy host."""
+    model = _model()
+    for i in range(40):
+        predicted = model.cpu_attention(4, 4096)
+        model.observe_cpu(predicted, predicted / model.cpu_correction * (5.0 if i % 10 == 3 else 1.0))
+    assert model.cpu_correction == 1.0
 
 
 def test_host_observations_without_a_positive_time_are_ignored():
