@@ -32,9 +32,9 @@ BAD_REQUESTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def front():
-    front = StreamingEngine(EngineConfig(num_gpu_blocks=256, max_model_len=1024))
+@pytest.fixture(scope="module", params=["off", "on"], ids=lambda mode: f"overlap_steps={mode}")
+def front(request):
+    front = StreamingEngine(EngineConfig(num_gpu_blocks=256, max_model_len=1024, overlap_steps=request.param))
     yield front
     front.shutdown()
 
@@ -81,6 +81,7 @@ def test_streaming_cancel_frees_blocks(front):
         ({"no_such_knob": "1"}, "unknown parameter 'no_such_knob'"),
         ({"gpu_sm_count": "0"}, "gpu_sm_count must be positive"),
         ({"gpu_sm_count": "eight"}, "gpu_sm_count='eight' is not a valid int"),
+        ({"overlap_steps": "on", "tensor_parallel_size": "2"}, "overlap_steps=on needs tensor_parallel_size 1"),
     ],
 )
 def test_bad_knobs_raise_config_error(values, needle):
