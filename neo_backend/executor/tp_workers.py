@@ -41,6 +41,7 @@ from ..core.scheduler_output import SchedulerOutput, SwapOut
 from ..cpu.affinity import attention_cpus
 from ..errors import ConfigError, EngineDeadError, NeoError
 from ..layers.parallel import TensorParallel
+from ..layers.sampler import PendingSample
 from ..models.loader import ModelSource
 from .model_runner import LaunchedStep, ModelRunner, resolve_device
 from .step_mirror import SequenceMirror, StepSender
@@ -207,10 +208,12 @@ class TensorParallelRunner:
                 self._tell("land_swap_outs", landed)
             return landed
 
-    def execute(self, batch: SchedulerOutput) -> LaunchedStep:
+    def execute(self, batch: SchedulerOutput, previous: PendingSample | None = None) -> LaunchedStep:
+        """`previous` is always None: steps run one at a time here (`overlap_steps`), so the workers' mirrored
+        sequences hold every token."""
         with self._in_step():
             self._tell("execute", self.sender.order(batch))
-            return self.local.execute(batch)
+            return self.local.execute(batch, previous)
 
     def profile(self) -> PerfModel:
         with self._in_step():
