@@ -1,4 +1,5 @@
-"""LLMEngine: requests in, one scheduling + model step at a time, text deltas out."""
+"""LLMEngine: requests in, scheduling + model steps, text deltas out; on CUDA each step is launched before the
+one before it is read back (`overlap_steps`)."""
 
 from __future__ import annotations
 
