@@ -66,9 +66,10 @@ def decode_kernels(engine: LLMEngine, batch: int, context: int, bandwidth: float
     hidden = torch.randn(batch, cfg.hidden_size, device=device, dtype=dtype)
     residual = torch.randn_like(hidden)
     qkv = layer.qkv_proj(hidden)
-    q, k, _ = qkv.split([layer.q_size, layer.kv_size, layer.kv_size], dim=-1)
+    q, k, v = qkv.split([layer.q_size, layer.kv_size, layer.kv_size], dim=-1)
     q = q.reshape(batch, layer.num_heads, layer.head_dim).contiguous()
     k = k.reshape(batch, layer.num_kv_heads, layer.head_dim).contiguous()
+    v = v.reshape(batch, layer.num_kv_heads, layer.head_dim).contiguous()
     positions = torch.full((batch,), context - 1, device=device, dtype=torch.long)
     gate_up = layer.gate_up_proj(hidden)
     ffn = silu_and_mul(gate_up)
@@ -88,8 +89,12 @@ def decode_kernels(engine: LLMEngine, batch: int, context: int, bandwidth: float
     rows = [
         ("add + RMSNorm (x2)", 2 * n, lambda: layer.input_layernorm(hidden, residual), 4 * nbytes(hidden)),
         ("qkv GEMM", n, lambda: layer.qkv_proj(hidden), nbytes(layer.qkv_proj.weight, hidden, qkv)),
-        ("RoPE", n, lambda: layer.rotary(positions, q, k), 2 * nbytes(q, k)),
-        ("k/v store", n, lambda: layer.attn._store(k, k, slots), 4 * nbytes(k)),
+        (
+            "RoPE + k/v store",
+            n,
+            lambda: layer.attn.store_rotated(layer.rotary, positions, q, k, v, slots),
+            2 * nbytes(q, k) + 2 * nbytes(k, v),
+        ),
         (
             "decode attention",
             n,

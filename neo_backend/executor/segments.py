@@ -59,7 +59,7 @@ class LayerSegments(ABC):
             self.finish(model.norm(hidden, residual)[0])
             return
         layer = model.layers[layer_idx]
-        q, k, v, residual = layer.attention_inputs(self.positions, hidden, residual)
+        q, k, v, residual = layer.attention_inputs(self.positions, hidden, residual, self.meta)
         self.save(layer.attn(q, k, v, self.meta), residual)
         if self.host is not None:
             self.host.send(layer_idx, q, k, v)

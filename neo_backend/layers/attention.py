@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import paged_decode
+from . import fused, paged_decode
+from .rotary import RotaryEmbedding
 
 
 @dataclass
@@ -53,13 +54,32 @@ class PagedAttention(torch.nn.Module):
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
+    def store_rotated(
+        self,
+        rotary: RotaryEmbedding,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """RoPE on q [T, Hq, D] and k [T, Hkv, D] in place, and the device rows' k/v (the first len(slot_mapping)
+        rows) into the pool at their slots: one fused kernel on CUDA. Host rows keep their q/k/v for the CPU."""
+        if fused.available(q) and fused.rotary_supported(self.head_dim):
+            fused.rotary_and_store_(
+                positions, q, k, v, rotary.cos, rotary.sin, self.k_cache, self.v_cache, slot_mapping
+            )
+            return
+        rotary(positions, q, k)
+        num_dev = slot_mapping.numel()
+        if num_dev:
+            self._store(k[:num_dev], v[:num_dev], slot_mapping)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]: the device rows (prefills, GPU decodes); host rows of
-        the result are left unset."""
+        """q [T, Hq, D], k/v [T, Hkv, D] (rotated, device rows stored: `store_rotated`) -> [T, Hq, D]: the
+        device rows (prefills, GPU decodes); host rows of the result are left unset."""
         num_dev = meta.num_device_tokens
         out = torch.empty_like(q)
-        if num_dev:
-            self._store(k[:num_dev], v[:num_dev], meta.slot_mapping)
         for chunk in meta.prefills:
             span = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
             out[span] = self._prefill(q[span], k[span], v[span], chunk)

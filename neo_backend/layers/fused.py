@@ -1,4 +1,5 @@
-"""Fused Triton kernels for the CUDA path of the elementwise layers: add + RMSNorm, RoPE, SiLU-and-mul.
+"""Fused Triton kernels for the CUDA path of the elementwise layers: add + RMSNorm, RoPE with the k/v store into
+the paged pool, SiLU-and-mul.
 
 Eager PyTorch spends about ten kernels on each of these (casts, reductions, `cat`); at decode batch sizes
 every kernel is launch-bound, so fusing them takes ~40 kernels out of each layer. Each kernel computes in
@@ -45,8 +46,20 @@ def add_rms_norm(
     return out, new_residual
 
 
-def rotary_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """Rotate-half RoPE applied in place to q [T, Hq, D] and k [T, Hkv, D] (rows may be strided views)."""
+def rotary_and_store_(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:
+    """Rotate-half RoPE applied in place to q [T, Hq, D] and k [T, Hkv, D] (rows may be strided views), and the
+    first len(slots) rows' rotated k and their v [T, Hkv, D] stored into the paged pool ([blocks, block_size, Hkv,
+    D]) at those slots: the store costs no launch of its own."""
     tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     if tokens == 0:
@@ -55,12 +68,19 @@ def rotary_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torc
         positions,
         q,
         k,
+        v,
         cos,
         sin,
+        k_cache,
+        v_cache,
+        slots,
+        slots.numel(),
         q.stride(0),
         q.stride(1),
         k.stride(0),
         k.stride(1),
+        v.stride(0),
+        v.stride(1),
         cos.stride(0),
         HQ=num_q_heads,
         HK=num_kv_heads,
@@ -107,26 +127,36 @@ if triton is not None:
 
     @triton.jit
     def _rotate_heads(ptr, stride_h, cos, sin, NUM_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HALF: tl.constexpr):
+        """Rotates the heads at `ptr` in place; returns the rotated halves (fp32) and the heads' mask."""
         heads = tl.arange(0, HEADS_PAD)
         dims = tl.arange(0, HALF)
         mask = (heads < NUM_HEADS)[:, None]
         lo = ptr + heads[:, None] * stride_h + dims[None, :]
         x1 = tl.load(lo, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(lo + HALF, mask=mask, other=0.0).to(tl.float32)
-        tl.store(lo, (x1 * cos - x2 * sin).to(ptr.dtype.element_ty), mask=mask)
-        tl.store(lo + HALF, (x2 * cos + x1 * sin).to(ptr.dtype.element_ty), mask=mask)
+        y1, y2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+        tl.store(lo, y1.to(ptr.dtype.element_ty), mask=mask)
+        tl.store(lo + HALF, y2.to(ptr.dtype.element_ty), mask=mask)
+        return y1, y2, mask
 
     @triton.jit
     def _rotary_kernel(
         pos_ptr,
         q_ptr,
         k_ptr,
+        v_ptr,
         cos_ptr,
         sin_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        slots_ptr,
+        num_slots,
         stride_qt,
         stride_qh,
         stride_kt,
         stride_kh,
+        stride_vt,
+        stride_vh,
         stride_cs,
         HQ: tl.constexpr,
         HK: tl.constexpr,
@@ -140,7 +170,15 @@ if triton is not None:
         cos = tl.load(cos_ptr + pos * stride_cs + dims)[None, :]
         sin = tl.load(sin_ptr + pos * stride_cs + dims)[None, :]
         _rotate_heads(q_ptr + token * stride_qt, stride_qh, cos, sin, HQ, HQ_PAD, HALF)
-        _rotate_heads(k_ptr + token * stride_kt, stride_kh, cos, sin, HK, HK_PAD, HALF)
+        k1, k2, mask = _rotate_heads(k_ptr + token * stride_kt, stride_kh, cos, sin, HK, HK_PAD, HALF)
+        if token < num_slots:
+            heads = tl.arange(0, HK_PAD)
+            row = tl.load(slots_ptr + token) * (HK * 2 * HALF) + heads[:, None] * (2 * HALF) + dims[None, :]
+            tl.store(k_cache_ptr + row, k1.to(k_cache_ptr.dtype.element_ty), mask=mask)
+            tl.store(k_cache_ptr + row + HALF, k2.to(k_cache_ptr.dtype.element_ty), mask=mask)
+            v_lo = v_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :]
+            tl.store(v_cache_ptr + row, tl.load(v_lo, mask=mask, other=0.0), mask=mask)
+            tl.store(v_cache_ptr + row + HALF, tl.load(v_lo + HALF, mask=mask, other=0.0), mask=mask)
 
     @triton.jit
     def _silu_and_mul_kernel(x_ptr, out_ptr, half, BLOCK: tl.constexpr):

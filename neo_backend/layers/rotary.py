@@ -6,7 +6,6 @@ import torch
 from torch import nn
 
 from ..errors import ModelLoadError
-from . import fused
 
 
 def _inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -52,14 +51,13 @@ class RotaryEmbedding(nn.Module):
         self.cos = freqs.cos().float().to(device)
         self.sin = freqs.sin().float().to(device)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, Hq, D], k [T, Hkv, D] rotated at `positions` [T] (in place on CUDA)."""
-        if fused.available(q) and fused.rotary_supported(self.head_dim):
-            fused.rotary_(positions, q, k, self.cos, self.sin)
-            return q, k
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
+        """q [T, Hq, D] and k [T, Hkv, D] rotated in place at `positions` [T]. The reference; on CUDA the
+        attention fuses it with its k/v store (`PagedAttention.store_rotated`)."""
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
-        return rotate_reference(q, cos, sin), rotate_reference(k, cos, sin)
+        q.copy_(rotate_reference(q, cos, sin))
+        k.copy_(rotate_reference(k, cos, sin))
 
 
 def rotate_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -50,7 +50,10 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, cfg.hidden_size, bias=False)
 
-    def attention_inputs(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None):
+    def attention_inputs(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
+    ):
+        """Rotated q/k and v of the layer's attention, the device rows' k/v already in the pool."""
         if residual is None:
             residual = hidden
             x = self.input_layernorm(hidden)
@@ -60,7 +63,7 @@ class DecoderLayer(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        self.attn.store_rotated(self.rotary, positions, q, k, v, meta.slot_mapping)
         return q, k, v, residual
 
     def attention_outputs(self, attn_out: torch.Tensor, residual: torch.Tensor):
@@ -69,7 +72,7 @@ class DecoderLayer(nn.Module):
         return self.tp.all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(hidden)))), residual
 
     def forward(self, positions, hidden, residual, meta: AttentionMetadata):
-        q, k, v, residual = self.attention_inputs(positions, hidden, residual)
+        q, k, v, residual = self.attention_inputs(positions, hidden, residual, meta)
         return self.attention_outputs(self.attn(q, k, v, meta), residual)
 
 
