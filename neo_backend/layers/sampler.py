@@ -22,6 +22,8 @@ class PendingSample:
     take its inputs from before the host has read them (`row_of`); `result` waits for the copies."""
 
     def __init__(self, seqs: list[Sequence], device_tensors: list[torch.Tensor], num_logprobs: list[int]) -> None:
+        """`device_tensors`: per row, whether its logits were finite, the sampled token, its logprob, and the top
+        logprobs' values and token ids (`num_logprobs[row]` of them are the row's)."""
         self.token_ids = device_tensors[1]
         self.row_of = {seq.request_id: row for row, seq in enumerate(seqs)}
         self._num_logprobs = num_logprobs
