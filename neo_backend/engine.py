@@ -280,23 +280,22 @@ class LLMEngine:
         except Exception as exc:  # an iteration that breaks fails the requests it carried, not the server
             log.exception("iteration failed; failing its %d requests", len(batch.scheduled()))
             outputs += self._read_back()
-            message = f"internal error while running this request: {type(exc).__name__}: {exc}"
-            failed = [self.fail(seq.request_id, message) for seq, _ in batch.scheduled()]
-            return outputs + [out for out in failed if out is not None]
+            return outputs + self._fail_all([seq for seq, _ in batch.scheduled()], exc)
         for seq, n in batch.scheduled():
             seq.num_computed_tokens += n
         self.runner.start_swap_outs(self.scheduler.offload(batch.offload_after_step))
         positions = self._add_pending_tokens(launched.seqs)
         step = InFlightStep(batch, launched, positions, start, start - scheduling, overlapped)
         if overlapped:
-            outputs += self._read_back()
-        else:
-            if launched.sample is not None:
-                launched.sample.result()
-            host_seconds = (host.seconds if host else 0.0) - host_seconds_before
-            self._record_iteration(batch, time.monotonic() - start, host_seconds, step.schedule_seconds, False)
+            outputs += self._read_back()  # the step before, while the device runs this one
+            self._in_flight = step
+            return outputs
+        if launched.sample is not None:
+            launched.sample.result()
+        host_seconds = (host.seconds if host else 0.0) - host_seconds_before
+        self._record_iteration(batch, time.monotonic() - start, host_seconds, step.schedule_seconds, False)
         self._in_flight = step
-        return outputs if overlapped else outputs + self._read_back()
+        return outputs + self._read_back()
 
     def _can_overlap(self, batch: SchedulerOutput) -> bool:
         """Whether `batch` may be launched before the step in flight is read back: GPU work alone, no swap, and no
@@ -312,7 +311,7 @@ class LLMEngine:
         for seq in seqs:
             seq.token_ids.append(PENDING_TOKEN)
             positions.append(len(seq.token_ids) - 1)
-            seq.finishing = seq.num_output_tokens >= seq.params.max_tokens or len(seq.token_ids) >= self.max_model_len
+            seq.finishing = self._at_length_limit(seq, seq.num_output_tokens)
         return positions
 
     def _read_back(self) -> list[RequestOutput]:
@@ -329,9 +328,7 @@ class LLMEngine:
                 self._record_iteration(step.batch, measured, 0.0, step.schedule_seconds, True)
         except Exception as exc:  # the device failed the step: its requests fail, not the server
             log.exception("reading back an iteration failed; failing its %d requests", len(launched.seqs))
-            message = f"internal error while running this request: {type(exc).__name__}: {exc}"
-            failed = [self.fail(seq.request_id, message) for seq in launched.seqs if not seq.finished]
-            return [out for out in failed if out is not None]
+            return self._fail_all(launched.seqs, exc)
         if result is None:
             return []
         now = time.monotonic()
@@ -340,6 +337,12 @@ class LLMEngine:
             for row, (seq, index) in enumerate(zip(launched.seqs, step.positions))
             if not seq.finished
         ]
+
+    def _fail_all(self, seqs: list[Sequence], exc: Exception) -> list[RequestOutput]:
+        """Fail the requests of a step that broke (those not finished already)."""
+        message = f"internal error while running this request: {type(exc).__name__}: {exc}"
+        failed = [self.fail(seq.request_id, message) for seq in seqs if not seq.finished]
+        return [out for out in failed if out is not None]
 
     def _process_sample(self, seq: Sequence, index: int, result: SampleResult, row: int, now: float) -> RequestOutput:
         """Put one sampled token at `index` of the sequence's tokens; a failure here (non-finite logits,
@@ -435,9 +438,13 @@ class LLMEngine:
         p = seq.params
         if (not p.ignore_eos and token in self.tokenizer.eos_token_ids) or token in p.stop_token_ids or detok.stopped:
             return "stop"
-        if num_output_tokens >= p.max_tokens or seq.num_prompt_tokens + num_output_tokens >= self.max_model_len:
-            return "length"
-        return None
+        return "length" if self._at_length_limit(seq, num_output_tokens) else None
+
+    def _at_length_limit(self, seq: Sequence, num_output_tokens: int) -> bool:
+        return (
+            num_output_tokens >= seq.params.max_tokens
+            or seq.num_prompt_tokens + num_output_tokens >= self.max_model_len
+        )
 
     def _finish(self, seq: Sequence, reason: str) -> RequestOutput:
         """Take the request out; tokens of it still on their way from the device are dropped."""
