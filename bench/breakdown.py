@@ -117,7 +117,7 @@ def decode_kernels(engine: LLMEngine, batch: int, context: int, bandwidth: float
 def sampler_seconds(engine: LLMEngine, batch: int) -> float:
     """Wall seconds of greedy sampling of `batch` rows (device kernels, the read-back and the host lists)."""
     runner, cfg = engine.runner, engine.model_config
-    logits = torch.randn(batch, cfg.vocab_size, device=runner.device)
+    logits = torch.randn(batch, cfg.vocab_size, device=runner.device, dtype=runner.dtype)
     seqs = [placed_sequence(f"s{i}", 8, [0], Placement.GPU, cfg.vocab_size) for i in range(batch)]
     return median_seconds(lambda: runner.sampler(logits, seqs), 20, device=runner.device, warmup=2)
 
@@ -160,12 +160,12 @@ def decode_point(engine: LLMEngine, batch: int, context: int, bandwidth: float) 
 def decode_graph_seconds(engine: LLMEngine, batch: int, context: int) -> float:
     """The whole model's captured decode graph for `batch` rows, replayed alone with its inputs at `context`."""
     graphs = engine.runner.decode_graphs
-    bs = next(b for b in graphs.buckets if b >= batch)
     blocks = context // engine.config.block_size
-    inputs = graphs.inputs
+    key = graphs.key(batch, blocks)
+    bs, inputs = key[0], graphs.inputs
     inputs.tables[:bs, :blocks] = torch.arange(bs * blocks, device=inputs.tables.device).view(bs, blocks)
     inputs.lens[:bs] = context
-    return median_seconds(graphs.graphs[bs].replay, 10, device=engine.runner.device, warmup=2)
+    return median_seconds(graphs.graphs[key].replay, 10, device=engine.runner.device, warmup=2)
 
 
 def prefill(engine: LLMEngine, peak: float, num_seqs: int = 8, tokens: int = 1000) -> dict:

@@ -1,7 +1,7 @@
 """CUDA graphs for decode-only work. Launching ~12 kernels per layer from Python costs more than an 8B model's
 decode step on an H200; a replay costs one launch.
 
-- `DecodeGraphs`: the whole model per batch-size bucket, for GPU-only decode steps.
+- `DecodeGraphs`: the whole model per batch-size bucket and block-table width, for GPU-only decode steps.
 - `LaneGraphs`: one NEO pipeline lane's layer segments (segments.py) per bucket, so the two sub-batches
   can interleave layer by layer around the CPU attention without paying eager launches.
 
@@ -26,6 +26,18 @@ log = logging.getLogger("neo_backend")
 def batch_buckets(max_batch: int) -> list[int]:
     sizes = [1, 2, 4, 8] + list(range(16, max_batch + 16, 16))
     return sorted({min(s, max_batch) for s in sizes})
+
+
+def width_buckets(max_blocks: int, block_size: int) -> list[int]:
+    """Block-table widths of the decode graphs: powers of two from 512 tokens, then the widest table. The decode
+    attention's grid follows the table's width (`paged_decode`), and a graph fixes its grid: one graph as wide as
+    the longest context would launch 8x the programs a 1024-token batch needs at 8192 positions, and the extra
+    ones, though they exit at once, cost the decode graph 2.3 ms at batch 256 (bench/RESULTS.md)."""
+    widths, width = [], max(1, 512 // block_size)
+    while width < max_blocks:
+        widths.append(width)
+        width *= 2
+    return widths + [max_blocks]
 
 
 def lane_buckets(max_batch: int) -> list[int]:
@@ -55,13 +67,14 @@ class DecodeInputs:
     def fits(self, rows: int) -> bool:
         return 0 < rows <= self.max_batch
 
-    def meta(self, bs: int) -> AttentionMetadata:
-        """Every row of the bucket attends on the device (rows past the real decodes, to the scratch block)."""
+    def meta(self, bs: int, width: int | None = None) -> AttentionMetadata:
+        """Every row of the bucket attends on the device (rows past the real decodes, to the scratch block), over
+        tables `width` blocks wide (default: the widest)."""
         return AttentionMetadata(
             slot_mapping=self.slots[:bs],
             prefills=[],
             num_prefill_tokens=0,
-            decode_block_tables=self.tables[:bs],
+            decode_block_tables=self.tables[:bs, :width],
             decode_context_lens=self.lens[:bs],
         )
 
@@ -85,12 +98,13 @@ def bucket_for(buckets: list[int], rows: int) -> int:
 
 
 class DecodeGraphs:
-    def __init__(self, model, inputs: DecodeInputs) -> None:
+    def __init__(self, model, inputs: DecodeInputs, block_size: int) -> None:
         self.model = model
         self.inputs = inputs
         self.buckets = batch_buckets(inputs.max_batch)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.widths = width_buckets(inputs.tables.shape[1], block_size)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # by (batch bucket, table width)
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self._capture()
 
     @torch.inference_mode()
@@ -98,29 +112,38 @@ class DecodeGraphs:
         start = time.monotonic()
         pool = None
         for bs in reversed(self.buckets):
+            for width in reversed(self.widths):
 
-            def forward(bs: int = bs) -> torch.Tensor:
-                return self.model(self.inputs.input_ids[:bs], self.inputs.positions[:bs], self.inputs.meta(bs))
+                def forward(bs: int = bs, width: int = width) -> torch.Tensor:
+                    inputs = self.inputs
+                    return self.model(inputs.input_ids[:bs], inputs.positions[:bs], inputs.meta(bs, width))
 
-            self.graphs[bs], self.outputs[bs] = capture(forward, pool)
-            pool = self.graphs[bs].pool()
+                self.graphs[bs, width], self.outputs[bs, width] = capture(forward, pool)
+                pool = self.graphs[bs, width].pool()
         log.info(
-            "captured decode CUDA graphs for %d batch sizes up to %d in %.1fs",
+            "captured %d decode CUDA graphs (%d batch sizes up to %d, %d table widths up to %d blocks) in %.1fs",
+            len(self.graphs),
             len(self.buckets),
             self.inputs.max_batch,
+            len(self.widths),
+            self.widths[-1],
             time.monotonic() - start,
         )
 
     def can_run(self, num_decodes: int) -> bool:
         return self.inputs.fits(num_decodes)
 
+    def key(self, rows: int, width: int) -> tuple[int, int]:
+        """The graph that runs `rows` decodes whose block tables are `width` blocks wide."""
+        return bucket_for(self.buckets, rows), bucket_for(self.widths, width)
+
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states of a decode-only batch (rows in order), through the smallest fitting graph."""
         n = input_ids.numel()
-        bs = bucket_for(self.buckets, n)
-        self.inputs.load(input_ids, positions, meta, bs)
-        self.graphs[bs].replay()
-        return self.outputs[bs][:n]
+        key = self.key(n, meta.decode_block_tables.shape[1])
+        self.inputs.load(input_ids, positions, meta, key[0])
+        self.graphs[key].replay()
+        return self.outputs[key][:n]
 
 
 def capture(fn, pool) -> tuple[torch.cuda.CUDAGraph, object]:

@@ -20,6 +20,7 @@ from ..layers.attention import AttentionMetadata, PrefillChunk
 from ..layers.parallel import TensorParallel
 from ..layers.sampler import PendingSample, Sampler
 from ..models.loader import ModelSource, load_model
+from ..staging import tensor_on, to_device
 from .cuda_graphs import DecodeGraphs, DecodeInputs, LaneGraphs
 from .gpu_partition import sm_partition
 from .host_attention import HostAttention, HostDecodeBatch
@@ -88,7 +89,7 @@ class ModelRunner:
             self.decode_graphs: DecodeGraphs | None = None
             self.max_blocks_per_seq = (max_model_len + self.block_size - 1) // self.block_size
             if self.device.type == "cuda" and not config.enforce_eager:
-                self.decode_graphs = DecodeGraphs(self.model, self._decode_inputs())
+                self.decode_graphs = DecodeGraphs(self.model, self._decode_inputs(), self.block_size)
             self._init_offload(config, model_cfg)
 
     def device_scope(self) -> contextlib.AbstractContextManager:
@@ -203,7 +204,7 @@ class ModelRunner:
                 decode_context_lens=torch.zeros(0, dtype=torch.int32, device=self.device),
             )
             hidden = self.model(ids, torch.arange(num_tokens, device=self.device), meta)
-            self.model.compute_logits(hidden[-min(num_tokens, self.config.max_num_seqs) :])
+            self.model.compute_logits(hidden[-min(num_tokens, self.config.max_num_seqs) :]).float()
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
         self._allocate_kv(0)
@@ -387,10 +388,10 @@ class ModelRunner:
             start = row * width
             flat[start : start + len(seq.block_table)] = array("i", seq.block_table)
         table = torch.frombuffer(flat, dtype=torch.int32)[: width * len(seqs)].view(len(seqs), width)
-        return table.to(device, non_blocking=True)
+        return to_device(table, device)
 
     def _tensor(self, values, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+        return tensor_on(values, dtype, self.device)
 
 
 def _slot(seq: Sequence, position: int, block_size: int) -> int:

@@ -1,5 +1,5 @@
 """Fused Triton kernels for the CUDA path of the elementwise layers: add + RMSNorm, RoPE with the k/v store into
-the paged pool, SiLU-and-mul.
+the paged pool, SiLU-and-mul, and greedy sampling.
 
 Eager PyTorch spends about ten kernels on each of these (casts, reductions, `cat`); at decode batch sizes
 every kernel is launch-bound, so fusing them takes ~40 kernels out of each layer. Each kernel computes in
@@ -107,6 +107,42 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+GREEDY_CHUNK = 4096  # logits per program of the greedy sampler's first pass
+
+
+def greedy_sample(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row of `logits` [B, V]: whether every entry is finite, the argmax (the first of ties, as
+    `torch.argmax`) and its log-softmax, in fp32 and one read of the logits (against ~8 kernels and 3 passes over
+    an fp32 copy for `log_softmax`, `isfinite` and `argmax`). Each row is read in chunks by programs of their
+    own (one program per row reads too slowly at decode batch sizes), then one program per row merges them."""
+    logits = logits.contiguous()
+    rows, vocab = logits.shape
+    chunks = triton.cdiv(vocab, GREEDY_CHUNK)
+    device = logits.device
+    chunk_max = torch.empty(rows, chunks, dtype=torch.float32, device=device)
+    chunk_index = torch.empty(rows, chunks, dtype=torch.int32, device=device)
+    chunk_sum = torch.empty(rows, chunks, dtype=torch.float32, device=device)
+    chunk_bad = torch.empty(rows, chunks, dtype=torch.int32, device=device)
+    _greedy_chunk_kernel[(rows, chunks)](
+        logits, chunk_max, chunk_index, chunk_sum, chunk_bad, vocab, chunks, CHUNK=GREEDY_CHUNK, num_warps=4
+    )
+    finite = torch.empty(rows, dtype=torch.bool, device=device)
+    tokens = torch.empty(rows, dtype=torch.long, device=device)
+    logprobs = torch.empty(rows, dtype=torch.float32, device=device)
+    _greedy_merge_kernel[(rows,)](
+        chunk_max,
+        chunk_index,
+        chunk_sum,
+        chunk_bad,
+        finite,
+        tokens,
+        logprobs,
+        chunks,
+        CHUNKS_PAD=triton.next_power_of_2(chunks),
+    )
+    return finite, tokens, logprobs
+
+
 if triton is not None:
 
     @triton.jit
@@ -188,3 +224,38 @@ if triton is not None:
         gate = tl.load(x_ptr + row * 2 * half + offs, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(x_ptr + row * 2 * half + half + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + row * half + offs, (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _greedy_chunk_kernel(logits_ptr, max_ptr, index_ptr, sum_ptr, bad_ptr, vocab, chunks, CHUNK: tl.constexpr):
+        """One chunk of one row: its max and the max's first index, the sum of exp(x - max), and how many entries
+        are not finite (their row's request fails; its values do not matter)."""
+        row = tl.program_id(0).to(tl.int64)
+        chunk = tl.program_id(1)
+        offs = chunk * CHUNK + tl.arange(0, CHUNK)
+        mask = offs < vocab
+        x = tl.load(logits_ptr + row * vocab + offs, mask=mask, other=-float("inf")).to(tl.float32)
+        best = tl.max(x, 0)
+        out = row * chunks + chunk
+        tl.store(max_ptr + out, best)
+        tl.store(index_ptr + out, tl.argmax(x, 0) + chunk * CHUNK)
+        tl.store(sum_ptr + out, tl.sum(tl.exp(x - best), 0))
+        tl.store(bad_ptr + out, tl.sum((((x != x) | (tl.abs(x) == float("inf"))) & mask).to(tl.int32), 0))
+
+    @triton.jit
+    def _greedy_merge_kernel(
+        max_ptr, index_ptr, sum_ptr, bad_ptr, finite_ptr, token_ptr, logprob_ptr, chunks, CHUNKS_PAD: tl.constexpr
+    ):
+        """A row's chunks merged: the first chunk holding the row's max gives the token (the first of ties), and
+        the sums rescaled to that max give the log-softmax."""
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, CHUNKS_PAD)
+        mask = offs < chunks
+        maxes = tl.load(max_ptr + row * chunks + offs, mask=mask, other=-float("inf"))
+        best = tl.max(maxes, 0)
+        first = tl.argmax(maxes, 0)
+        sums = tl.load(sum_ptr + row * chunks + offs, mask=mask, other=0.0)
+        total = tl.sum(tl.where(mask, sums * tl.exp(maxes - best), 0.0), 0)
+        bad = tl.sum(tl.load(bad_ptr + row * chunks + offs, mask=mask, other=0), 0)
+        tl.store(finite_ptr + row, bad == 0)
+        tl.store(token_ptr + row, tl.load(index_ptr + row * chunks + first).to(tl.int64))
+        tl.store(logprob_ptr + row, -tl.log(total))

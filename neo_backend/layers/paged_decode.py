@@ -59,12 +59,12 @@ def decode_attention_reference(q, k_cache, v_cache, block_tables, context_lens, 
 
 
 # Contexts are split into chunks, each chunk one program, merged by log-sum-exp: with one program per (sequence,
-# KV head) a batch of 64 fills only 512 programs, too few to saturate HBM. Chunks are MAX_SPLIT_TOKENS long, or
-# shorter where a batch has few (sequence, KV head) pairs, so that a short context still spreads over the SMs:
-# PAIR_TOKENS tokens per pair, a power of two from TOKENS_PER_ITER. The launch parameters and that rule are the
-# fastest of sweeps on the H200 (bench/RESULTS.md).
-MAX_SPLIT_TOKENS = 512
-PAIR_TOKENS = 4
+# KV head) a batch of 64 at short contexts fills only 512 programs, too few to saturate HBM. Chunks are
+# MAX_SPLIT_TOKENS long, or shorter where a batch has few (sequence, KV head) pairs, so that a short context still
+# spreads over the SMs: PAIR_TOKENS tokens per pair, a power of two from TOKENS_PER_ITER. The launch parameters
+# and that rule are the fastest of a sweep on the H200 (bench/RESULTS.md).
+MAX_SPLIT_TOKENS = 1024
+PAIR_TOKENS = 2
 TOKENS_PER_ITER = 64
 NUM_WARPS = 4
 NUM_STAGES = 2

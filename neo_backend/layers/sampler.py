@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import torch
 
 from ..core.sequence import Sequence
+from ..staging import tensor_on
+from . import fused
 
 
 @dataclass
@@ -22,8 +24,8 @@ class PendingSample:
     take its inputs from before the host has read them (`row_of`); `result` waits for the copies."""
 
     def __init__(self, seqs: list[Sequence], device_tensors: list[torch.Tensor], num_logprobs: list[int]) -> None:
-        """`device_tensors`: per row, whether its logits were finite, the sampled token, its logprob, and the top
-        logprobs' values and token ids (`num_logprobs[row]` of them are the row's)."""
+        """`device_tensors`: per row, whether its logits were finite, the sampled token, its logprob, and where any
+        row asked for logprobs, the top logprobs' values and token ids (`num_logprobs[row]` of them are the row's)."""
         self.token_ids = device_tensors[1]
         self.row_of = {seq.request_id: row for row, seq in enumerate(seqs)}
         self._num_logprobs = num_logprobs
@@ -44,13 +46,23 @@ class PendingSample:
         if self._result is None:
             if self._copied is not None:
                 self._copied.synchronize()
-            finite, tokens, chosen, top_values, top_ids = self._host
+            finite, tokens, chosen, *top = self._host
             tops: list[dict[int, float] | None] = []
             for row, n in enumerate(self._num_logprobs):
-                tops.append(dict(zip(top_ids[row, :n].tolist(), top_values[row, :n].tolist())) if n else None)
+                tops.append(dict(zip(top[1][row, :n].tolist(), top[0][row, :n].tolist())) if n else None)
             non_finite = set((~finite).nonzero().flatten().tolist())
             self._result = SampleResult(tokens.tolist(), chosen.tolist(), tops, non_finite)
         return self._result
+
+
+def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row: whether its logits are all finite, their argmax and its log-softmax (fp32)."""
+    if fused.available(logits):
+        return fused.greedy_sample(logits)
+    logits = logits.float()
+    tokens = logits.argmax(dim=-1)
+    logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
+    return torch.isfinite(logits).all(dim=-1), tokens, logprobs
 
 
 class Sampler:
@@ -63,7 +75,12 @@ class Sampler:
         return self.launch(logits, seqs).result()
 
     def launch(self, logits: torch.Tensor, seqs: list[Sequence]) -> PendingSample:
-        """Queue the sampling of one token per row and the copy of the samples to host memory; nothing waits."""
+        """Queue the sampling of one token per row of `logits` (the model's dtype; sampled in fp32) and the copy of
+        the samples to host memory; nothing waits."""
+        num_logprobs = [s.params.logprobs or 0 for s in seqs]
+        if not any(num_logprobs) and all(self._plain_greedy(s) for s in seqs):
+            return PendingSample(seqs, list(greedy(logits)), num_logprobs)
+        logits = logits.float()
         finite = torch.isfinite(logits).all(dim=-1)
         logits = logits.masked_fill(~finite.unsqueeze(1), 0.0)
         raw_logprobs = torch.log_softmax(logits, dim=-1)
@@ -71,10 +88,15 @@ class Sampler:
         logits = self._apply_min_tokens(logits, seqs)
         tokens = self._sample(logits, seqs)
         chosen = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
-        num_logprobs = [s.params.logprobs or 0 for s in seqs]
         num_top = max(num_logprobs)
-        top_values, top_ids = raw_logprobs.topk(num_top) if num_top else (chosen, tokens)
-        return PendingSample(seqs, [finite, tokens, chosen, top_values, top_ids], num_logprobs)
+        top = list(raw_logprobs.topk(num_top)) if num_top else []
+        return PendingSample(seqs, [finite, tokens, chosen, *top], num_logprobs)
+
+    @staticmethod
+    def _plain_greedy(seq: Sequence) -> bool:
+        """Whether the row's token is the argmax of its raw logits (no penalty or min_tokens changes them)."""
+        params = seq.params
+        return params.greedy and not params.has_penalties and seq.num_output_tokens >= params.min_tokens
 
     def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         rows = [i for i, s in enumerate(seqs) if s.params.has_penalties]
@@ -84,12 +106,12 @@ class Sampler:
         for i in rows:
             p = seqs[i].params
             if p.repetition_penalty != 1.0:
-                seen = torch.tensor(sorted(set(seqs[i].token_ids)), device=logits.device, dtype=torch.long)
+                seen = tensor_on(sorted(set(seqs[i].token_ids)), torch.long, logits.device)
                 vals = logits[i, seen]
                 logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
             outputs = seqs[i].output_token_ids
             if outputs and (p.presence_penalty or p.frequency_penalty):
-                counts = torch.bincount(torch.tensor(outputs, device=logits.device), minlength=logits.shape[1])
+                counts = torch.bincount(tensor_on(outputs, torch.long, logits.device), minlength=logits.shape[1])
                 counts = counts[: logits.shape[1]].to(logits.dtype)
                 logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
         return logits
@@ -102,19 +124,20 @@ class Sampler:
         vocab = logits.shape[1]
         for i in rows:
             params = seqs[i].params
+            # with ignore_eos, EOS is no stop to hold back
             stops = params.stop_token_ids if params.ignore_eos else (*self.eos_token_ids, *params.stop_token_ids)
-            logits[i, [t for t in stops if t < vocab]] = float("-inf")  # with ignore_eos, EOS is no stop to hold back
+            logits[i, tensor_on([t for t in stops if t < vocab], torch.long, logits.device)] = float("-inf")
         return logits
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         greedy = logits.argmax(dim=-1)
         if all(s.params.greedy for s in seqs):
             return greedy
-        temps = torch.tensor([s.params.temperature or 1.0 for s in seqs], device=logits.device)
+        temps = tensor_on([s.params.temperature or 1.0 for s in seqs], torch.float32, logits.device)
         probs = self._filter(logits / temps.unsqueeze(1), seqs).softmax(dim=-1)
         noise = self._exponential_noise(probs, seqs)
         sampled = (probs / noise).argmax(dim=-1)
-        is_greedy = torch.tensor([s.params.greedy for s in seqs], device=logits.device)
+        is_greedy = tensor_on([s.params.greedy for s in seqs], torch.bool, logits.device)
         return torch.where(is_greedy, greedy, sampled)
 
     @staticmethod
@@ -123,11 +146,11 @@ class Sampler:
         top_ps = [s.params.top_p for s in seqs]
         if any(top_ks):
             vocab = logits.shape[1]
-            k = torch.tensor([min(k, vocab) if k else vocab for k in top_ks], device=logits.device)
+            k = tensor_on([min(k, vocab) if k else vocab for k in top_ks], torch.long, logits.device)
             kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1).unsqueeze(1))
             logits = logits.masked_fill(logits < kth, float("-inf"))
         if any(p < 1.0 for p in top_ps):
-            p = torch.tensor(top_ps, device=logits.device).unsqueeze(1)
+            p = tensor_on(top_ps, torch.float32, logits.device).unsqueeze(1)
             sorted_logits, order = logits.sort(dim=-1, descending=True)
             cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
             drop_sorted = (cumulative - sorted_logits.softmax(dim=-1)) >= p  # keep the token that crosses p

@@ -96,8 +96,9 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The logits in the model's dtype (the sampler reads them in fp32)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return self.tp.all_gather_last(nn.functional.linear(hidden, weight)).float()
+        return self.tp.all_gather_last(nn.functional.linear(hidden, weight))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in, fusing q/k/v and gate/up; every parameter must be written exactly once."""

@@ -73,6 +73,29 @@ def test_fused_layers_match_reference(dtype):
     torch.testing.assert_close(fused.silu_and_mul(gate_up), silu_and_mul_reference(gate_up))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows,vocab", [(64, 128256), (3, 4097), (1, 100)])
+def test_greedy_kernel_matches_argmax_and_log_softmax(dtype, rows, vocab):
+    """Ties (bf16 has many: the first index wins, as in torch.argmax), a row's max in its last chunk, and rows
+    holding NaN, +inf or -inf, which are flagged and nothing else."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    logits = (4 * torch.randn(rows, vocab, device="cuda", generator=gen)).to(dtype)
+    logits[0, vocab - 1] = 30.0
+    if rows > 2:
+        logits[1, [5, vocab // 2]] = 40.0
+        logits[2, 7], logits[2, vocab - 2] = float("nan"), float("-inf")
+    if rows > 32:
+        logits[32, 3], logits[33, vocab - 3] = float("inf"), float("-inf")
+    finite, tokens, logprobs = fused.greedy_sample(logits)
+    reference = logits.float()
+    expected_finite = torch.isfinite(reference).all(dim=-1)
+    assert torch.equal(finite, expected_finite)
+    ok = expected_finite
+    assert torch.equal(tokens[ok], reference[ok].argmax(dim=-1))
+    expected = reference[ok].log_softmax(dim=-1).gather(1, tokens[ok].unsqueeze(1)).squeeze(1)
+    torch.testing.assert_close(logprobs[ok], expected, rtol=0, atol=1e-5)
+
+
 def test_cuda_logits_match_cpu_engine(tiny_model_dirs):
     prompt = list(range(3, 60))
     params = {"max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 1}
@@ -150,7 +173,7 @@ def _decode_graph_seconds(engine: LLMEngine, batch: int = 64, reps: int = 20) ->
     """Median time of one replay of the engine's captured decode graph, on the engine's stream."""
     graphs = engine.runner.decode_graphs
     with engine.runner.device_scope():
-        graph = graphs.graphs[batch]
+        graph = graphs.graphs[graphs.key(batch, 1)]
         graph.replay()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         times = []

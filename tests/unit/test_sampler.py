@@ -202,6 +202,23 @@ def test_greedy_rows_take_the_penalised_argmax_and_report_raw_logprobs():
             assert result.top_logprobs[row] is None
 
 
+def test_plain_greedy_batches_sample_as_the_general_path_does():
+    """A batch of plain greedy rows takes the one-pass greedy path; its tokens, logprobs and non-finite rows are
+    those the general path gives the same rows beside a sampled one."""
+    logits = _logits(4, seed=7)
+    logits[1, 3] = float("nan")
+    logits[2, [4, 9]] = logits[2].max() + 1.0  # a tie: the first index wins
+    plain = [_seq({"temperature": 0}) for _ in range(4)]
+    fast = Sampler(EOS, seed=0)(logits, plain)
+    mixed = Sampler(EOS, seed=0)(torch.cat([logits, _logits(1)]), plain + [_seq({"temperature": 1.0})])
+    assert fast.non_finite_rows == mixed.non_finite_rows == {1}
+    good = [0, 2, 3]
+    assert [fast.token_ids[i] for i in good] == [mixed.token_ids[i] for i in good]
+    assert fast.token_ids[2] == 4
+    assert [fast.logprobs[i] for i in good] == pytest.approx([mixed.logprobs[i] for i in good], abs=1e-6)
+    assert fast.top_logprobs == [None] * 4
+
+
 # End to end against transformers.generate --------------------------------------------------------------------------
 
 STEPS = 24
