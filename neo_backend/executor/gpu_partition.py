@@ -19,6 +19,7 @@ give two engines disjoint SMs.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 
 import torch
@@ -33,6 +34,7 @@ HOPPER_SM_GRANULARITY = 8  # compute capability 9.x partitions in multiples of 8
 class SmPartition:
     def __init__(self, num_sms: int, device: torch.device) -> None:
         check_partition(num_sms, device)
+        self.num_sms = num_sms
         from torch.cuda.green_contexts import GreenContext
 
         index = device.index if device.index is not None else torch.cuda.current_device()
@@ -50,10 +52,26 @@ class SmPartition:
 
     def stream(self) -> torch.cuda.Stream:
         """A stream whose work runs on the partition's SMs (the context hands out its pool in turn)."""
-        return self.context.Stream()
+        stream = self.context.Stream()
+        _STREAM_SMS[stream.cuda_stream] = self.num_sms
+        return stream
 
 
 _PARTITIONS: dict[tuple[int, int], SmPartition] = {}
+_STREAM_SMS: dict[int, int] = {}  # CUDA stream handle -> SMs of the partition it runs on
+
+
+def current_sm_count(device: torch.device) -> int:
+    """The SMs that work launched now runs on: the partition's, on a partition's stream; else the device's."""
+    stream = torch.cuda.current_stream(device).cuda_stream
+    return _STREAM_SMS.get(stream) or _device_sm_count(
+        torch.cuda.current_device() if device.index is None else device.index
+    )
+
+
+@functools.cache
+def _device_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def sm_partition(num_sms: int, device: torch.device) -> SmPartition:

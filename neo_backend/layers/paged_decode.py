@@ -15,6 +15,7 @@ try:
 except ImportError:  # CPU-only installs have no Triton compiler
     triton = None
 
+from ..executor.gpu_partition import current_sm_count
 from . import fused
 
 
@@ -60,19 +61,21 @@ def decode_attention_reference(q, k_cache, v_cache, block_tables, context_lens, 
 
 # Contexts are split into chunks, each chunk one program, merged by log-sum-exp: with one program per (sequence,
 # KV head) a batch of 64 at short contexts fills only 512 programs, too few to saturate HBM. Chunks are
-# MAX_SPLIT_TOKENS long, or shorter where a batch has few (sequence, KV head) pairs, so that a short context still
-# spreads over the SMs: PAIR_TOKENS tokens per pair, a power of two from TOKENS_PER_ITER. The launch parameters
-# and that rule are the fastest of a sweep on the H200 (bench/RESULTS.md).
+# MAX_SPLIT_TOKENS long, or shorter where a batch has few (sequence, KV head) pairs for the SMs it runs on, so
+# that a short context still spreads over them: PAIR_SM_TOKENS x pairs / SMs tokens (2 per pair on the H200's
+# 132), a power of two from TOKENS_PER_ITER. The launch parameters and that rule are the fastest of sweeps on
+# the whole H200 and on an 8-SM partition of it (bench/RESULTS.md).
 MAX_SPLIT_TOKENS = 1024
-PAIR_TOKENS = 2
+PAIR_SM_TOKENS = 264
 TOKENS_PER_ITER = 64
 NUM_WARPS = 4
 NUM_STAGES = 2
 
 
-def split_tokens_for(pairs: int) -> int:
-    """Context tokens per program for a batch of `pairs` (sequence, KV head) pairs."""
-    return min(MAX_SPLIT_TOKENS, 1 << max(0, PAIR_TOKENS * pairs - 1).bit_length())
+def split_tokens_for(pairs: int, num_sms: int) -> int:
+    """Context tokens per program for a batch of `pairs` (sequence, KV head) pairs on `num_sms` SMs."""
+    tokens = -(-PAIR_SM_TOKENS * pairs // num_sms)
+    return min(MAX_SPLIT_TOKENS, 1 << max(0, tokens - 1).bit_length())
 
 
 def _decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, out) -> torch.Tensor:
@@ -81,7 +84,7 @@ def _decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, out) 
     group = num_heads // num_kv_heads
     out = torch.empty_like(q) if out is None else out
     tokens_per_iter = max(TOKENS_PER_ITER, block_size)
-    split_tokens = max(tokens_per_iter, split_tokens_for(batch * num_kv_heads))
+    split_tokens = max(tokens_per_iter, split_tokens_for(batch * num_kv_heads, current_sm_count(q.device)))
     # The table's width bounds every context: the split count is a function of shapes alone (CUDA graphs).
     num_splits = triton.cdiv(block_tables.shape[1] * block_size, split_tokens)
     if num_splits > 1:
@@ -168,11 +171,13 @@ if triton is not None:
         split = tl.program_id(2)
         ctx_len = tl.load(lens_ptr + seq)
         begin = split * SPLIT_TOKENS
+        if SPLIT:
+            if begin >= ctx_len:  # a chunk past the context (the grid spans the table's width): the merge skips it
+                return
         end = tl.minimum(begin + SPLIT_TOKENS, ctx_len)
         heads = tl.arange(0, GROUP_PAD)
         dims = tl.arange(0, HEAD_DIM)
         head_ok = heads < GROUP
-        live = head_ok & (begin < ctx_len)  # chunks past the context store nothing; the merge skips them
         q_heads = kv_head * GROUP + heads
         q = tl.load(
             q_ptr + seq * stride_qb + q_heads[:, None] * stride_qh + dims[None, :], mask=head_ok[:, None], other=0.0
@@ -199,9 +204,9 @@ if triton is not None:
         if SPLIT:
             num_splits = tl.num_programs(2)
             row = ((seq * GROUP * tl.num_programs(1) + q_heads) * num_splits + split) * (HEAD_DIM + 2)
-            tl.store(partial_ptr + row[:, None] + dims[None, :], acc, mask=live[:, None])
-            tl.store(partial_ptr + row + HEAD_DIM, m, mask=live)
-            tl.store(partial_ptr + row + HEAD_DIM + 1, denom, mask=live)
+            tl.store(partial_ptr + row[:, None] + dims[None, :], acc, mask=head_ok[:, None])
+            tl.store(partial_ptr + row + HEAD_DIM, m, mask=head_ok)
+            tl.store(partial_ptr + row + HEAD_DIM + 1, denom, mask=head_ok)
         else:
             o_offs = seq * stride_ob + q_heads[:, None] * stride_oh + dims[None, :]
             tl.store(out_ptr + o_offs, (acc / denom[:, None]).to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
