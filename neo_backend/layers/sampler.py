@@ -47,9 +47,10 @@ class PendingSample:
             if self._copied is not None:
                 self._copied.synchronize()
             finite, tokens, chosen, *top = self._host
+            top_values, top_ids = top or (None, None)
             tops: list[dict[int, float] | None] = []
             for row, n in enumerate(self._num_logprobs):
-                tops.append(dict(zip(top[1][row, :n].tolist(), top[0][row, :n].tolist())) if n else None)
+                tops.append(dict(zip(top_ids[row, :n].tolist(), top_values[row, :n].tolist())) if n else None)
             non_finite = set((~finite).nonzero().flatten().tolist())
             self._result = SampleResult(tokens.tolist(), chosen.tolist(), tops, non_finite)
         return self._result
