@@ -157,6 +157,7 @@ def main() -> int:
         help="requests arriving this early in a trace are left out of its figures",
     )
     parser.add_argument("--host-bw", type=float, default=100e9)
+    parser.add_argument("--num-gpu-blocks", type=int, help="the device KV pool (default: the setting's)")
     parser.add_argument(
         "--knob",
         nargs=2,
@@ -168,6 +169,7 @@ def main() -> int:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     roof, gpu_blocks, cpu_gb = setting(args.setting, host_bw=args.host_bw)
+    gpu_blocks = args.num_gpu_blocks or gpu_blocks
     knobs = EngineConfig.from_strings(dict(args.knob)).__dict__
     knobs = {k: knobs[k] for k, _ in args.knob}
     results: dict[str, list[dict]] = {}
