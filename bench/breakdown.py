@@ -108,9 +108,10 @@ def decode_kernels(engine: LLMEngine, batch: int, context: int, bandwidth: float
         ("LM head", 1, lambda: model.compute_logits(hidden), nbytes(logits_weight) + batch * cfg.vocab_size * 6),
     ]
     out = []
-    for name, per_step, fn, moved in rows:
-        seconds = graph_seconds(fn, device)
-        out.append(_row(name, per_step, seconds, moved / bandwidth))
+    with runner.gemms.applied(batch):
+        for name, per_step, fn, moved in rows:
+            seconds = graph_seconds(fn, device)
+            out.append(_row(name, per_step, seconds, moved / bandwidth))
     return out
 
 

@@ -13,12 +13,16 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..cpu.handoff import HAND_OFF_SPIN_S, Flags
 from ..layers.attention import AttentionMetadata
 from .segments import HostHandOff, LayerSegments
+
+if TYPE_CHECKING:
+    from .gemm_libraries import GemmLibraries
 
 log = logging.getLogger("neo_backend")
 
@@ -98,9 +102,10 @@ def bucket_for(buckets: list[int], rows: int) -> int:
 
 
 class DecodeGraphs:
-    def __init__(self, model, inputs: DecodeInputs, block_size: int) -> None:
+    def __init__(self, model, inputs: DecodeInputs, block_size: int, gemms: GemmLibraries) -> None:
         self.model = model
         self.inputs = inputs
+        self.gemms = gemms
         self.buckets = batch_buckets(inputs.max_batch)
         self.widths = width_buckets(inputs.tables.shape[1], block_size)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # by (batch bucket, table width)
@@ -118,16 +123,18 @@ class DecodeGraphs:
                     inputs = self.inputs
                     return self.model(inputs.input_ids[:bs], inputs.positions[:bs], inputs.meta(bs, width))
 
-                self.graphs[bs, width], self.outputs[bs, width] = capture(forward, pool)
+                with self.gemms.applied(bs):
+                    self.graphs[bs, width], self.outputs[bs, width] = capture(forward, pool)
                 pool = self.graphs[bs, width].pool()
         log.info(
-            "captured %d decode CUDA graphs (%d batch sizes up to %d, %d table widths up to %d blocks) in %.1fs",
+            "captured %d decode CUDA graphs (%d batch sizes up to %d, %d table widths up to %d blocks) in %.1fs; %s",
             len(self.graphs),
             len(self.buckets),
             self.inputs.max_batch,
             len(self.widths),
             self.widths[-1],
             time.monotonic() - start,
+            self.gemms.summary(),
         )
 
     def can_run(self, num_decodes: int) -> bool:
@@ -168,7 +175,7 @@ class LaneGraphs:
     pinned on the host.
     """
 
-    def __init__(self, model, inputs: DecodeInputs, host_variants: tuple[bool, ...]) -> None:
+    def __init__(self, model, inputs: DecodeInputs, host_variants: tuple[bool, ...], gemms: GemmLibraries) -> None:
         cfg, device, dtype = model.rank_config, inputs.input_ids.device, model.embed_tokens.weight.dtype
         n = inputs.max_batch
         self.model, self.inputs = model, inputs
@@ -186,10 +193,11 @@ class LaneGraphs:
         self.graphs: dict[tuple[int, bool, int], torch.cuda.CUDAGraph] = {}
         pool = None
         for bs in reversed(self.buckets):
-            for with_host in host_variants:
-                for layer in range(len(model.layers) + 1):
-                    graph, _ = capture(lambda: self._segment(layer, bs, with_host), pool)
-                    self.graphs[bs, with_host, layer], pool = graph, graph.pool()
+            with gemms.applied(bs):
+                for with_host in host_variants:
+                    for layer in range(len(model.layers) + 1):
+                        graph, _ = capture(lambda: self._segment(layer, bs, with_host), pool)
+                        self.graphs[bs, with_host, layer], pool = graph, graph.pool()
 
     @torch.inference_mode()
     def _segment(self, layer_idx: int, bs: int, with_host: bool) -> None:

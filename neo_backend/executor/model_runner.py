@@ -22,6 +22,7 @@ from ..layers.sampler import PendingSample, Sampler
 from ..models.loader import ModelSource, load_model
 from ..staging import tensor_on, to_device
 from .cuda_graphs import DecodeGraphs, DecodeInputs, LaneGraphs
+from .gemm_libraries import GemmLibraries
 from .gpu_partition import sm_partition
 from .host_attention import HostAttention, HostDecodeBatch
 from .host_pool import HostKVCache, host_available_bytes
@@ -87,9 +88,11 @@ class ModelRunner:
                 self.device,
             )
             self.decode_graphs: DecodeGraphs | None = None
+            self.gemms: GemmLibraries | None = None
             self.max_blocks_per_seq = (max_model_len + self.block_size - 1) // self.block_size
             if self.device.type == "cuda" and not config.enforce_eager:
-                self.decode_graphs = DecodeGraphs(self.model, self._decode_inputs(), self.block_size)
+                self.gemms = GemmLibraries(self.model)
+                self.decode_graphs = DecodeGraphs(self.model, self._decode_inputs(), self.block_size, self.gemms)
             self._init_offload(config, model_cfg)
 
     def device_scope(self) -> contextlib.AbstractContextManager:
@@ -155,8 +158,8 @@ class ModelRunner:
             return None
         start = time.monotonic()
         lanes = [
-            LaneGraphs(self.model, self._decode_inputs(), (False, True)),
-            LaneGraphs(self.model, self._decode_inputs(), (True,)),
+            LaneGraphs(self.model, self._decode_inputs(), (False, True), self.gemms),
+            LaneGraphs(self.model, self._decode_inputs(), (True,), self.gemms),
         ]
         log.info(
             "captured %d pipeline segment graphs in %.1fs", sum(len(g.graphs) for g in lanes), time.monotonic() - start

@@ -37,7 +37,7 @@ def load_or_profile(runner) -> PerfModel:
         "cuda_graphs": runner.decode_graphs is not None,
         "gpu_sm_count": runner.config.gpu_sm_count,
         "tensor_parallel_size": runner.tp.size,
-        "version": 6,
+        "version": 7,
     }
     key = hashlib.sha256(json.dumps(key_fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
     path = runner.config.cache_path / "profiles" / f"{key}.json"

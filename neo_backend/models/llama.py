@@ -14,6 +14,7 @@ from ..config import ModelConfig
 from ..errors import ModelLoadError
 from ..layers.activation import silu_and_mul
 from ..layers.attention import AttentionMetadata, PagedAttention
+from ..layers.blas import Linear
 from ..layers.norm import RMSNorm
 from ..layers.parallel import TensorParallel, VocabParallelEmbedding
 from ..layers.rotary import RotaryEmbedding
@@ -43,12 +44,12 @@ class DecoderLayer(nn.Module):
         intermediate = tp.part(cfg.intermediate_size, "the FFN size")
         self.rotary = rotary
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.attn = PagedAttention(layer_idx, self.num_heads, self.num_kv_heads, cfg.head_dim)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * intermediate, bias=False)
+        self.down_proj = Linear(intermediate, cfg.hidden_size, bias=False)
 
     def attention_inputs(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata

@@ -13,6 +13,7 @@ from neo_backend.executor.host_pool import HostKVCache
 from neo_backend.executor.swapper import BlockSwapper
 from neo_backend.layers import fused
 from neo_backend.layers.activation import silu_and_mul_reference
+from neo_backend.layers.blas import LIBRARIES
 from neo_backend.layers.norm import add_rms_norm_reference
 from neo_backend.layers.paged_decode import decode_attention, decode_attention_reference
 from neo_backend.layers.rotary import RotaryEmbedding, rotate_reference
@@ -220,6 +221,31 @@ def test_sm_partition_confines_a_bandwidth_bound_step(tmp_path, tiny_model_dirs)
         times[sm_count] = _decode_graph_seconds(engine)
         del engine
     assert times[8] >= 4 * times[None], times
+
+
+def test_decode_graph_gemms_run_on_the_library_chosen_per_shape(tiny_model_dirs):
+    """Each decode batch size has a library for every linear shape of the layers; inside `applied` the linears run on
+    it and compute what cuBLAS computes, and outside it they are back on torch's preferred library."""
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(tiny_model_dirs["llama3"]),
+            device="cuda",
+            dtype="bfloat16",
+            num_gpu_blocks=64,
+            max_num_seqs=64,
+            offload_policy="never",
+        )
+    )
+    gemms, model = engine.runner.gemms, engine.runner.model
+    assert set(gemms.chosen) == set(engine.runner.decode_graphs.buckets)
+    linears = [linear for shape in gemms.by_shape.values() for linear in shape]
+    assert len(linears) == 4 * len(model.layers)
+    x = torch.randn(64, model.layers[0].down_proj.in_features, device="cuda", dtype=torch.bfloat16)
+    with gemms.applied(64):
+        assert all(linear.library in LIBRARIES for linear in linears)
+        chosen = model.layers[0].down_proj(x)
+    assert all(linear.library is None for linear in linears)
+    torch.testing.assert_close(chosen, model.layers[0].down_proj(x), rtol=2e-2, atol=2e-2)
 
 
 def test_swaps_copy_the_right_blocks_while_the_compute_stream_moves_on():
