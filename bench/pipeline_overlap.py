@@ -33,6 +33,7 @@ from neo_backend.core.sequence import Placement  # noqa: E402
 from neo_backend.cpu.handoff import Flags, IterationLane  # noqa: E402
 from neo_backend.executor.host_attention import HostAttention, HostDecodeBatch  # noqa: E402
 from neo_backend.executor.pipeline import PipelinedExecutor  # noqa: E402
+from neo_backend.layers.parallel import TensorParallel  # noqa: E402
 from neo_backend.timing import median_seconds, sync  # noqa: E402
 
 KERNEL_REPS = 5
@@ -53,7 +54,7 @@ class CapturingHostAttention(HostAttention):
     alone through the same library loop as the pipeline (`run_iteration`) with every ready flag set."""
 
     def __init__(self, inner: HostAttention) -> None:
-        super().__init__(inner.host, inner.scale, inner.device, inner.num_threads, inner.engine_cpu)
+        super().__init__(inner.host, inner.scale, inner.device, inner.num_threads, inner.engine_cpu, TensorParallel())
         self.lanes: list[IterationLane] = []
 
     def run_iteration(self, lanes, done, timeout_s):
@@ -83,7 +84,7 @@ class InstantHostAttention(HostAttention):
     """Answers the CPU attention at once: what the iteration costs the GPU alone."""
 
     def __init__(self, inner: HostAttention) -> None:
-        super().__init__(inner.host, inner.scale, inner.device, inner.num_threads, inner.engine_cpu)
+        super().__init__(inner.host, inner.scale, inner.device, inner.num_threads, inner.engine_cpu, TensorParallel())
 
     def run_iteration(self, lanes, done, timeout_s):
         for step, _, _ in host_steps(lanes, len(self.host.k_caches)):
