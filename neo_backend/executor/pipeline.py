@@ -7,10 +7,11 @@ CPU attention (the kernel releases the GIL):
     device: | d0(L) | d1(L) | d0(L+1) | d1(L+1) | ...     d = post-attention(L-1) + pre-attention(L)
     host:           | a0(L) | a1(L)   | a0(L+1) | ...     a = decode attention over the host pool
 
-The main thread only waits for a CPU attention result right before launching the dense work that consumes
-it, by which time the device has the other sub-batch's work queued. With one sub-batch this is the
-sequential mode. A decode-only sub-batch replays captured segment graphs (`GraphLane`); one that carries
-prefills, or runs without CUDA graphs, launches its kernels eagerly (`EagerLane`).
+The device waits for a CPU attention result right before the dense work that consumes it: on CUDA with a
+device-side wait on the host's flag (stream_waits.py), so the launching thread queues the whole iteration at
+once; elsewhere the launching thread waits, by which time the device has the other sub-batch's work queued.
+With one sub-batch this is the sequential mode. A decode-only sub-batch replays captured segment graphs
+(`GraphLane`); one that carries prefills, or runs without CUDA graphs, launches its kernels eagerly (`EagerLane`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from ..layers.attention import AttentionMetadata
 from .cuda_graphs import LaneGraphs
 from .host_attention import HostAttention, HostDecodeBatch
 from .segments import HostHandOff, LayerSegments
+from .stream_waits import available, enqueue_wait
 
 
 def spin_seconds(device: torch.device) -> float:
@@ -128,8 +130,13 @@ class PipelinedExecutor:
     The worker spends the whole iteration in one library call (`HostAttention.run_iteration`), so no Python
     and no GIL sits between layers on the CPU side. Hand-offs go through `Flags` in host memory: the device
     sets a lane's ready flag for a layer with a copy queued behind that layer's q/k/v copies, the library sets
-    a done flag per step (layer x lanes with host rows, in launch order), and the launching thread waits on
-    it by spinning in C with the GIL released. A layer's hand-off costs microseconds, not thread wake-ups.
+    a done flag per step (layer x lanes with host rows, in launch order), and the device waits on it with a
+    stream wait queued before the segment that consumes it (where CUDA has them: `device_waits`); otherwise
+    the launching thread waits on it by spinning in C with the GIL released. A layer's hand-off costs
+    microseconds, not thread wake-ups.
+
+    An iteration resets the flags once the device is through the last one's waits (`queued`), so no wait ever
+    reads a flag of the next.
     """
 
     # Far beyond any iteration; a hand-off that takes longer means the other side is gone.
@@ -142,13 +149,18 @@ class PipelinedExecutor:
             max_workers=1, thread_name_prefix="neo-cpu-attention", initializer=host_attention.enter_thread
         )
         self.worker.submit(int).result()  # the worker starts now, not in the first iteration
-        self.done = Flags(0, spin_seconds(host_attention.device))
+        self.device_waits = available(host_attention.device)
+        self.done = Flags(0, spin_seconds(host_attention.device), pin=self.device_waits)
+        self.queued: torch.cuda.Event | None = None  # recorded behind the last iteration's device waits
 
     def run(self, model, subs: list[SubBatch]) -> list[torch.Tensor]:
         """Final hidden states of each sub-batch (one: sequential mode; two: pipelined)."""
         lanes = [self._lane(model, i, sub) for i, sub in enumerate(subs)]
         host_lanes = [lane for lane in lanes if lane.sub.host_batch is not None]
         num_layers = len(model.layers)
+        if self.queued is not None:
+            self.queued.synchronize()
+            self.queued = None
         self.done.reset(num_layers * len(host_lanes))
         for lane in host_lanes:
             lane.ready.reset(num_layers)
@@ -162,15 +174,18 @@ class PipelinedExecutor:
                 for lane in lanes:
                     i = slot.get(id(lane))
                     if i is not None and layer_idx > 0:
-                        self._wait_done((layer_idx - 1) * len(host_lanes) + i, job)
+                        self._await_done((layer_idx - 1) * len(host_lanes) + i, job)
                     lane.segment(layer_idx)
                     if i is not None and layer_idx < num_layers:
                         issued[i] += 1
+            if job is not None:
+                if self.device_waits:
+                    self.queued = torch.cuda.Event()
+                    self.queued.record()
+                job.result()
         except BaseException:
             self._abandon(host_lanes, issued, job)
             raise
-        if job is not None:
-            job.result()
         return [lane.final() for lane in lanes]
 
     def _attend_on_host(self, host_lanes: list[IterationLane]) -> None:
@@ -180,7 +195,12 @@ class PipelinedExecutor:
             self.done.fail_pending()  # the launching thread stops waiting and re-raises this from the job
             raise
 
-    def _wait_done(self, step: int, job: Future) -> None:
+    def _await_done(self, step: int, job: Future) -> None:
+        """The work launched next runs after done flag `step`: queued behind a device-side wait, or launched once
+        the flag is set. A failed flag releases a device wait too; the worker's error then comes from `run`."""
+        if self.device_waits:
+            enqueue_wait(torch.cuda.current_stream(), self.done.address(step))
+            return
         if not self.done.wait(step, self.HANDOFF_TIMEOUT_S):
             job.result()  # raises the worker's error
             raise KernelError("CPU attention stopped without an error")

@@ -3,12 +3,16 @@ the CPU engine, and greedy tokens unchanged by offloading with the real CPU kern
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from engine_helpers import collect, fixed_perf_model, mixed_requests
 
 from neo_backend import EngineConfig, LLMEngine
 from neo_backend.config import ModelConfig
+from neo_backend.cpu.handoff import Flags
+from neo_backend.executor import stream_waits
 from neo_backend.executor.host_pool import HostKVCache
 from neo_backend.executor.swapper import BlockSwapper
 from neo_backend.layers import fused
@@ -280,3 +284,28 @@ def test_swaps_copy_the_right_blocks_while_the_compute_stream_moves_on():
     for layer in range(cfg.num_layers):
         assert torch.equal(device_k[layer][in_blocks], device_k[layer][out_blocks[:31]])
         assert torch.equal(device_v[layer][in_blocks], device_v[layer][out_blocks[:31]])
+
+
+@pytest.mark.parametrize("final", [1, Flags.FAILED], ids=["set", "failed"])
+def test_a_stream_waits_on_a_host_flag_until_it_is_set_or_failed(final):
+    """The pipeline's device-side wait: work queued behind it runs only once the CPU side sets the flag, and a
+    flag the CPU side marked failed releases it too, so a failed iteration never leaves the device waiting."""
+    assert stream_waits.available(torch.device("cuda"))
+    flag = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+    out = torch.zeros(1, device="cuda")
+    stream, after = torch.cuda.Stream(), torch.cuda.Event()
+    try:
+        with torch.cuda.stream(stream):
+            stream_waits.enqueue_wait(stream, flag.data_ptr())
+            out.fill_(1.0)
+            after.record()
+        time.sleep(0.3)
+        assert not after.query(), "the queued work ran before the flag was set"
+        flag[0] = final
+        deadline = time.monotonic() + 10.0
+        while not after.query():
+            assert time.monotonic() < deadline, "the flag did not release the wait"
+            time.sleep(0.001)
+        assert out.item() == 1.0
+    finally:
+        flag[0] = 1  # never leave the stream waiting
