@@ -3,11 +3,10 @@
 
 Builds `kernels/` as of each git revision, or from a folder holding a copy of it (REV_B defaults to the working
 tree), with the project's flags, loads both libraries into this process and calls them in alternation (A B,
-B A, A B, ...) on `make bench-kernel`'s shape (`--dtype`, default bf16), KV from DRAM. On a shared machine the
-bandwidth drifts by tens of percent between runs; consecutive calls see nearly the same machine, so the median of
-the per-pair speed ratios resolves a few percent where two separate runs of bench/kernel.py cannot. Both revisions
-must have this binding's ABI. `--isa-a` / `--isa-b` force a SIMD path on one side: `python bench/kernel_ab.py
-worktree --isa-a avx512` times the working tree's AVX-512 path against its best one.
+B A, A B, ...) on `make bench-kernel`'s shape, KV from DRAM. On a shared machine the bandwidth drifts by tens of
+percent between runs; consecutive calls see nearly the same machine, so the median of the per-pair speed ratios
+resolves a few percent where two separate runs of bench/kernel.py cannot. Both revisions must have this
+binding's ABI.
 Dependencies: torch, git, tar and the standard library.
 """
 
@@ -25,10 +24,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from kernel import DTYPES, Case, bench_case, bench_shape  # noqa: E402
+from kernel import BENCH_SHAPE, Case, bench_case  # noqa: E402
 
 from neo_backend.cpu import build, library  # noqa: E402
-from neo_backend.cpu.abi import Isa  # noqa: E402
 from neo_backend.cpu.ops import Kernels  # noqa: E402
 from neo_backend.timing import median_seconds  # noqa: E402
 
@@ -51,11 +49,7 @@ def kernel_dir_at(rev: str, scratch: pathlib.Path) -> pathlib.Path:
     return target / "kernels"
 
 
-def timed_call(case: Case, side: tuple[Kernels, str | None], table: int) -> float:
-    """One call of build `side` = (kernels, forced SIMD path or None for its best)."""
-    kernels, isa = side
-    lib = kernels.lib
-    lib.neo_set_isa(Isa[isa.upper()] if isa else lib.neo_max_isa())
+def timed_call(case: Case, kernels: Kernels, table: int) -> float:
     return median_seconds(lambda: case.run(kernels, case.tables[table]), reps=1)
 
 
@@ -70,25 +64,17 @@ def main() -> int:
     )
     parser.add_argument("--threads", type=int, default=None, help="default: the cores this process may use")
     parser.add_argument("--pairs", type=int, default=60)
-    parser.add_argument("--dtype", choices=DTYPES, default="bf16", help="KV and query dtype of the bench shape")
-    isas = [i.name.lower() for i in Isa]
-    parser.add_argument("--isa-a", choices=isas, help="force this SIMD path in build A's calls")
-    parser.add_argument("--isa-b", choices=isas, help="force this SIMD path in build B's calls")
     args = parser.parse_args()
     threads = args.threads or len(os.sched_getaffinity(0))
 
     with tempfile.TemporaryDirectory() as scratch:
         builds = [
-            (Kernels(library.load(build.build(kernel_dir=kernel_dir_at(rev, pathlib.Path(scratch)))), threads), isa)
-            for rev, isa in ((args.rev_a, args.isa_a), (args.rev_b, args.isa_b))
+            Kernels(library.load(build.build(kernel_dir=kernel_dir_at(rev, pathlib.Path(scratch)))), threads)
+            for rev in (args.rev_a, args.rev_b)
         ]
-    for kernels, isa in builds:
-        if isa and Isa[isa.upper()] > kernels.lib.neo_max_isa():
-            print(f"this CPU has no {isa} path (best: {library.best_isa(kernels.lib)})", file=sys.stderr)
-            return 1
-    case = bench_case(args.dtype)
-    for side in builds * 2:  # warm-up: thread teams, page faults
-        timed_call(case, side, 0)
+    case = bench_case()
+    for kernels in builds * 2:  # warm-up: thread teams, page faults
+        timed_call(case, kernels, 0)
     ratios, speeds = [], ([], [])
     for pair in range(args.pairs):
         table = pair % len(case.tables)
@@ -99,9 +85,8 @@ def main() -> int:
             speeds[i].append(case.kv_bytes / seconds[i] / 1e9)
     q1, median, q3 = statistics.quantiles(ratios, n=4)
     print(
-        f"{bench_shape(args.dtype)}, {threads} threads, {args.pairs} pairs: "
-        f"A ({args.rev_a}, {args.isa_a or 'best path'}) {statistics.median(speeds[0]):.2f} GB/s, "
-        f"B ({args.rev_b}, {args.isa_b or 'best path'}) "
+        f"{BENCH_SHAPE}, {threads} threads, {args.pairs} pairs: "
+        f"A ({args.rev_a}) {statistics.median(speeds[0]):.2f} GB/s, B ({args.rev_b}) "
         f"{statistics.median(speeds[1]):.2f} GB/s (medians)"
     )
     print(f"speed_B_over_A={median:.3f} quartiles={q1:.3f}-{q3:.3f}")

@@ -7,12 +7,12 @@
 namespace neo {
 
 // Bumped whenever a signature or a number of the ABI changes; the Python binding refuses a mismatched library.
-constexpr int kAbiVersion = 3;
+constexpr int kAbiVersion = 2;
 
 enum DType : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
 
-// SIMD paths: scalar, AVX2+FMA+F16C, AVX-512, AVX-512 with bf16 pair dot products (AVX512-BF16).
-enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
+// SIMD paths: scalar, AVX2+FMA+F16C, AVX-512.
+enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
 
 // What neo_paged_attention returns (and neo_decode_iteration, besides an IterationStatus).
 enum Status : int { kOk = 0, kUnsupported = 1, kNoMemory = 2, kBadArgument = 3 };

@@ -10,12 +10,7 @@
 //      times log2(e), so scores are in log2 units and weights are 2^(s - m): no range-reduction multiply.
 //   3. values: acc += p * v with GS x CB independent register accumulators per pass over D; run one step
 //      late, after the next step's scores and softmax (see `step`).
-// fp16/bf16 elements are widened to fp32 in registers; all arithmetic is fp32. Where the ISA has bf16 pair dot
-// products (kHasPairs) and both KV and q are bf16, scores and values multiply bf16 pairs into fp32 instead
-// (`Pairs`, simd_avx512_bf16.h): q stays unscaled in bf16 (the scale goes on the scores) and the probabilities
-// are rounded to bf16 for the values pass, as GPU attention kernels round them.
-
-struct Pairs;  // defined where kHasPairs holds
+// fp16/bf16 elements are widened to fp32 in registers; all arithmetic is fp32.
 
 using R = Vec::R;
 constexpr int W = Vec::W;
@@ -58,11 +53,10 @@ inline void store_out(const AttnParams& P, size_t off, const float* src, float m
   }
 }
 
-template <class KT, int D, bool kPairs>
+template <class KT, int D>
 struct Kernel {
   static constexpr int NC = D / W;  // vectors per head row
   static_assert(D % W == 0, "head_dim must be a multiple of the vector width");
-  using PV = std::conditional_t<kPairs, Pairs, void>;  // dependent on kPairs: only pair kernels look inside
   static constexpr int kLinesPerRow = (D * int(sizeof(KT)) + 63) / 64;
   // Steps (one KV head of one block) to prefetch ahead; keys through the score loop, values through the
   // value passes, so fewer prefetches wait for memory at once (measured in bench/RESULTS.md).
@@ -93,59 +87,26 @@ struct Kernel {
       for (int u = 0; u < TU; ++u) Vec::store(part + (size_t(g) * bsp + u) * W, a[u][g]);
   }
 
-  // dot_tokens through bf16 pairs: q unscaled, in bf16.
-  template <int GS, int TU>
-  static void dot_token_pairs(const BF16* q, const KT* k, size_t row, int bsp, float* part) {
-    R a[TU][GS];
-    for (int u = 0; u < TU; ++u)
-      for (int g = 0; g < GS; ++g) a[u][g] = Vec::zero();
-    for (int c = 0; c < D; c += PV::kElems) {
-      typename PV::P kk[TU];
-      for (int u = 0; u < TU; ++u) kk[u] = PV::load(k + u * row + c);
-      for (int g = 0; g < GS; ++g) {
-        const auto qv = PV::in_register(PV::load(q + g * D + c));
-        for (int u = 0; u < TU; ++u) a[u][g] = PV::dot(a[u][g], qv, kk[u]);
-      }
-    }
-    for (int g = 0; g < GS; ++g)
-      for (int u = 0; u < TU; ++u) Vec::store(part + (size_t(g) * bsp + u) * W, a[u][g]);
-  }
-
-  // This kernel's copy of query head qh in the scratch: fp32 times scale * log2(e), or bf16 as given.
-  static const auto* query(const Scratch& sc, int qh) {
-    if constexpr (kPairs) return reinterpret_cast<const BF16*>(sc.q) + size_t(qh) * D;
-    else return sc.q + size_t(qh) * D;
-  }
-
-  // Scores of n tokens for GS query heads into s[g][t] (row stride bsp), in log2 units; tail lanes up to a
-  // multiple of W are set to -inf. pf_k (may be null): key rows of a later step, prefetched along the way.
-  template <int GS, class QT>
-  static void scores(const QT* q, const KT* k, size_t row, int n, const KT* pf_k, const Scratch& sc, float* s) {
+  // Scores of n tokens for GS query heads into s[g][t] (row stride bsp); tail lanes up to a multiple
+  // of W are set to -inf. pf_k (may be null): key rows of a later step, prefetched along the way.
+  template <int GS>
+  static void scores(const float* q, const KT* k, size_t row, int n, int bsp, const KT* pf_k, float* part,
+                     float* s) {
     constexpr int TU = Vec::kAccRegs / GS >= 4 ? 4 : Vec::kAccRegs / GS >= 2 ? 2 : 1;
-    const int bsp = sc.bsp;
-    auto dot = [&](auto tu, int t) {  // tu: tokens per call, as a type
-      float* part = sc.part + size_t(t) * W;
-      if constexpr (kPairs) dot_token_pairs<GS, decltype(tu)::value>(q, k + t * row, row, bsp, part);
-      else dot_tokens<GS, decltype(tu)::value>(q, k + t * row, row, bsp, part);
-    };
     int t = 0;
     for (; t + TU <= n; t += TU) {
       if (pf_k)
         for (int u = 0; u < TU; ++u) prefetch_row(pf_k + (t + u) * row);
-      dot(std::integral_constant<int, TU>{}, t);
+      dot_tokens<GS, TU>(q, k + t * row, row, bsp, part + size_t(t) * W);
     }
     for (; t < n; ++t) {
       if (pf_k) prefetch_row(pf_k + t * row);
-      dot(std::integral_constant<int, 1>{}, t);
+      dot_tokens<GS, 1>(q, k + t * row, row, bsp, part + size_t(t) * W);
     }
     const int npad = (n + W - 1) / W * W;
     for (int g = 0; g < GS; ++g) {
-      float* pg = sc.part + size_t(g) * bsp * W;
-      for (int t0 = 0; t0 < npad; t0 += W) {
-        R r = Vec::reduce_rows(pg + t0 * W);
-        if constexpr (kPairs) r = Vec::mul(r, Vec::set1(sc.qk_scale));
-        Vec::store(s + g * bsp + t0, r);
-      }
+      float* pg = part + size_t(g) * bsp * W;
+      for (int t0 = 0; t0 < npad; t0 += W) Vec::store(s + g * bsp + t0, Vec::reduce_rows(pg + t0 * W));
       for (int u = n; u < npad; ++u) s[g * bsp + u] = -INFINITY;
     }
   }
@@ -185,15 +146,9 @@ struct Kernel {
     }
   }
 
-  // pf_v (may be null): value rows of a later step, prefetched a share per pass over D. work: room for GS x bsp
-  // bf16 probabilities (the pair path's).
+  // pf_v (may be null): value rows of a later step, prefetched a share per pass over D.
   template <int GS>
-  static void values(const float* p, const KT* v, size_t row, int n, int bsp, const KT* pf_v, float* acc,
-                     float* work) {
-    if constexpr (kPairs) {
-      value_pairs<GS>(p, v, row, n, bsp, pf_v, acc, reinterpret_cast<BF16*>(work));
-      return;
-    }
+  static void values(const float* p, const KT* v, size_t row, int n, int bsp, const KT* pf_v, float* acc) {
     constexpr int kWant = Vec::kAccRegs / GS > 0 ? Vec::kAccRegs / GS : 1;
     constexpr int CB = kWant < NC ? kWant : NC;  // GS x CB live accumulators
     static_assert(NC % CB == 0, "chunking must tile the head row");
@@ -218,52 +173,10 @@ struct Kernel {
     }
   }
 
-  // values through bf16 pairs: two tokens' value rows interleaved, each lane adding both tokens' products; the
-  // accumulator chunks hold the head dimension in Pairs' interleaved order until `process` unpermutes them.
-  template <int GS>
-  static void value_pairs(const float* p, const KT* v, size_t row, int n, int bsp, const KT* pf_v, float* acc,
-                          BF16* pb) {
-    constexpr int NP = D / PV::kElems;  // pair chunks per row
-    constexpr int kWant = Vec::kAccRegs / (2 * GS) > 0 ? Vec::kAccRegs / (2 * GS) : 1;
-    constexpr int CB = kWant < NP ? kWant : NP;  // GS x 2CB live accumulators
-    static_assert(NP % CB == 0, "chunking must tile the head row");
-    constexpr int kPasses = NP / CB;
-    const int npad = (n + W - 1) / W * W;  // p's tail lanes are 0, so an odd n pairs its last token with 0
-    for (int g = 0; g < GS; ++g) PV::round_row(p + g * bsp, pb + g * bsp, npad);
-    for (int c0 = 0; c0 < NP; c0 += CB) {
-      if (pf_v)
-        for (int r = n * (c0 / CB) / kPasses; r < n * (c0 / CB + 1) / kPasses; ++r) prefetch_row(pf_v + r * row);
-      R a[GS][2 * CB];
-      for (int g = 0; g < GS; ++g)
-        for (int j = 0; j < 2 * CB; ++j) a[g][j] = Vec::load(acc + g * D + c0 * PV::kElems + j * W);
-      auto accumulate = [&](int t, bool second_row) {
-        typename PV::P lo[CB], hi[CB];
-        for (int j = 0; j < CB; ++j) {
-          const KT* vr = v + t * row + (c0 + j) * PV::kElems;
-          const auto x = PV::load(vr), y = second_row ? PV::load(vr + row) : PV::zero();
-          lo[j] = PV::interleave_lo(x, y);
-          hi[j] = PV::interleave_hi(x, y);
-        }
-        for (int g = 0; g < GS; ++g) {
-          const auto pp = PV::broadcast_pair(pb[g * bsp + t], pb[g * bsp + t + 1]);
-          for (int j = 0; j < CB; ++j) {
-            a[g][2 * j] = PV::dot(a[g][2 * j], lo[j], pp);
-            a[g][2 * j + 1] = PV::dot(a[g][2 * j + 1], hi[j], pp);
-          }
-        }
-      };
-      int t = 0;
-      for (; t + 2 <= n; t += 2) accumulate(t, true);
-      if (t < n) accumulate(t, false);
-      for (int g = 0; g < GS; ++g)
-        for (int j = 0; j < 2 * CB; ++j) Vec::store(acc + g * D + c0 * PV::kElems + j * W, a[g][j]);
-    }
-  }
-
   // A step whose probabilities are ready and whose values pass (`values<GS>` of its group size) has not
   // run yet.
   struct Deferred {
-    void (*values)(const float*, const KT*, size_t, int, int, const KT*, float*, float*) = nullptr;  // null: none
+    void (*values)(const float*, const KT*, size_t, int, int, const KT*, float*) = nullptr;  // null: none
     const float* p = nullptr;
     const KT* v;
     const KT* pf_v;
@@ -271,7 +184,7 @@ struct Kernel {
   };
 
   static void run_values(const Deferred& d, size_t row, const Scratch& sc) {
-    d.values(d.p, d.v, row, d.n, sc.bsp, d.pf_v, sc.acc + size_t(d.qh) * D, sc.part);
+    d.values(d.p, d.v, row, d.n, sc.bsp, d.pf_v, sc.acc + size_t(d.qh) * D);
   }
 
   // Scores and softmax of this step, then the deferred values pass of the step before (normally the
@@ -282,7 +195,7 @@ struct Kernel {
   static void step(const KT* k, const KT* v, size_t row, int n, int qh, const KT* pf_k, const KT* pf_v,
                    Scratch& sc, Deferred& prev) {
     float* s = prev.p == sc.s[0] ? sc.s[1] : sc.s[0];  // not the deferred step's probabilities
-    scores<GS>(query(sc, qh), k, row, n, pf_k, sc, s);
+    scores<GS>(sc.q + size_t(qh) * D, k, row, n, sc.bsp, pf_k, sc.part, s);
     if (prev.values && prev.qh == qh) {
       run_values(prev, row, sc);
       prev.values = nullptr;
@@ -354,21 +267,13 @@ struct Kernel {
   static void process(const AttnParams& P, const WorkItem& it, Scratch& sc, const Segments& segs) {
     const int G = P.Hq / P.Hkv;
     const int q0 = it.h_begin * G, q1 = it.h_end * G;
-    sc.qk_scale = P.scale * kLog2e;
     for (int qh = q0; qh < q1; ++qh) {
-      const size_t off = (size_t(it.seq) * P.Hq + qh) * D;
-      if constexpr (kPairs)
-        std::memcpy(reinterpret_cast<BF16*>(sc.q) + size_t(qh) * D, static_cast<const BF16*>(P.q) + off, 2 * D);
-      else
-        load_q(P, off, sc.q + size_t(qh) * D);
+      load_q(P, (size_t(it.seq) * P.Hq + qh) * D, sc.q + size_t(qh) * D);
       for (int c = 0; c < NC; ++c) Vec::store(sc.acc + size_t(qh) * D + c * W, Vec::zero());
       sc.m[qh] = -INFINITY;
       sc.l[qh] = 0.0f;
     }
     attend(P, it, sc);
-    if constexpr (kPairs)
-      for (int qh = q0; qh < q1; ++qh)
-        for (int c = 0; c < D; c += PV::kElems) PV::unpermute(sc.acc + size_t(qh) * D + c);
     if (it.segment < 0) {
       for (int qh = q0; qh < q1; ++qh)
         store_out(P, (size_t(it.seq) * P.Hq + qh) * D, sc.acc + size_t(qh) * D, 1.0f / sc.l[qh]);
@@ -387,21 +292,21 @@ struct Kernel {
   }
 };
 
-template <class KT, bool kPairs = false>
+template <class KT>
 ItemFn item_fn_for_dim(int D) {
   switch (D) {
-    case 64: return &Kernel<KT, 64, kPairs>::process;
-    case 128: return &Kernel<KT, 128, kPairs>::process;
-    case 256: return &Kernel<KT, 256, kPairs>::process;
+    case 64: return &Kernel<KT, 64>::process;
+    case 128: return &Kernel<KT, 128>::process;
+    case 256: return &Kernel<KT, 256>::process;
     default: return nullptr;
   }
 }
 
-inline ItemFn item_fn(int kv_dtype, int q_dtype, int D) {
+inline ItemFn item_fn(int kv_dtype, int D) {
   switch (kv_dtype) {
     case kF32: return item_fn_for_dim<float>(D);
     case kF16: return item_fn_for_dim<F16>(D);
-    case kBF16: return q_dtype == kBF16 ? item_fn_for_dim<BF16, kHasPairs>(D) : item_fn_for_dim<BF16>(D);
+    case kBF16: return item_fn_for_dim<BF16>(D);
     default: return nullptr;
   }
 }

@@ -46,8 +46,7 @@ struct Segments {
 // Per-thread fp32 working memory. acc/m/l/q are indexed by absolute query head (Hq rows); part and s
 // hold one block's scores for up to kMaxGroup query heads.
 struct Scratch {
-  float* q;     // [Hq, D] query * scale * log2(e); the pair path keeps the bf16 query as given in its first half
-  float qk_scale;  // scale * log2(e)
+  float* q;     // [Hq, D] query * scale * log2(e)
   float* acc;   // [Hq, D] unnormalised output
   float* m;     // [Hq] running max of scores (log2 units: q carries log2(e))
   float* l;     // [Hq] running sum of 2^(score - m)

@@ -10,38 +10,20 @@
 #include <chrono>
 #include <cstdlib>
 #include <new>
-#include <type_traits>
 #include <vector>
 
 #include "common.h"
 
 // Each ISA gets its own namespace holding a `struct Vec` and the kernel templates, compiled inside a
-// target region: one .so carries all four and runs on any x86-64. kHasPairs: the ISA has bf16 pair dot
-// products (`struct Pairs`), which the kernels use where KV and q are both bf16.
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")
-// GCC 12's AVX-512 headers self-initialise `undefined` registers, which -Wmaybe-uninitialized flags.
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
-namespace isa_avx512_bf16 {
-using namespace neo;
-constexpr bool kHasPairs = true;
-#include "simd_avx512.h"
-#include "simd_avx512_bf16.h"
-#include "attention_impl.h"
-}  // namespace isa_avx512_bf16
-#pragma GCC diagnostic pop
-#pragma GCC pop_options
-
+// target region: one .so carries all three and runs on any x86-64.
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
+// GCC 12's AVX-512 headers self-initialise `undefined` registers, which -Wmaybe-uninitialized flags.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
 namespace isa_avx512 {
 using namespace neo;
-constexpr bool kHasPairs = false;
 #include "simd_avx512.h"
 #include "attention_impl.h"
 }  // namespace isa_avx512
@@ -52,7 +34,6 @@ constexpr bool kHasPairs = false;
 #pragma GCC target("avx2,fma,f16c")
 namespace isa_avx2 {
 using namespace neo;
-constexpr bool kHasPairs = false;
 #include "simd_avx2.h"
 #include "attention_impl.h"
 }  // namespace isa_avx2
@@ -60,7 +41,6 @@ constexpr bool kHasPairs = false;
 
 namespace isa_scalar {
 using namespace neo;
-constexpr bool kHasPairs = false;
 #include "simd_scalar.h"
 #include "attention_impl.h"
 }  // namespace isa_scalar
@@ -73,7 +53,7 @@ int detect_isa() {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("f16c"))
-    return __builtin_cpu_supports("avx512bf16") ? kAvx512Bf16 : kAvx512;
+    return kAvx512;
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
     return kAvx2;
   return kScalar;
@@ -82,18 +62,16 @@ int detect_isa() {
 const int g_max_isa = detect_isa();
 std::atomic<int> g_isa{g_max_isa};
 
-ItemFn select_item_fn(int kv_dtype, int q_dtype, int D) {
+ItemFn select_item_fn(int kv_dtype, int D) {
   switch (g_isa.load()) {
-    case kAvx512Bf16: return isa_avx512_bf16::item_fn(kv_dtype, q_dtype, D);
-    case kAvx512: return isa_avx512::item_fn(kv_dtype, q_dtype, D);
-    case kAvx2: return isa_avx2::item_fn(kv_dtype, q_dtype, D);
-    default: return isa_scalar::item_fn(kv_dtype, q_dtype, D);
+    case kAvx512: return isa_avx512::item_fn(kv_dtype, D);
+    case kAvx2: return isa_avx2::item_fn(kv_dtype, D);
+    default: return isa_scalar::item_fn(kv_dtype, D);
   }
 }
 
 ReadSumFn select_read_sum() {
   switch (g_isa.load()) {
-    case kAvx512Bf16:
     case kAvx512: return &isa_avx512::read_sum;
     case kAvx2: return &isa_avx2::read_sum;
     default: return &isa_scalar::read_sum;
@@ -205,7 +183,7 @@ bool bad_shape(const AttnParams& P, int num_threads) {
 }
 
 int prepare_job(const AttnParams& P, int num_threads, bool split_long, Job& job) {
-  job.fn = select_item_fn(P.kv_dtype, P.q_dtype, P.D);
+  job.fn = select_item_fn(P.kv_dtype, P.D);
   if (!job.fn) return kUnsupported;
   job.plan = make_plan(P, num_threads, split_long);
   job.seg_buf.resize(size_t(job.plan.num_segments) * P.Hq * (P.D + 2));

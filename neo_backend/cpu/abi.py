@@ -7,7 +7,7 @@ from enum import IntEnum
 
 import torch
 
-ABI_VERSION = 3
+ABI_VERSION = 2
 
 
 class DType(IntEnum):
@@ -20,12 +20,11 @@ DTYPE_CODES = {torch.float32: DType.F32, torch.float16: DType.F16, torch.bfloat1
 
 
 class Isa(IntEnum):
-    """SIMD paths: scalar, AVX2+FMA+F16C, AVX-512, AVX-512 with bf16 pair dot products (AVX512-BF16)."""
+    """SIMD paths: scalar, AVX2+FMA+F16C, AVX-512."""
 
     SCALAR = 0
     AVX2 = 1
     AVX512 = 2
-    AVX512_BF16 = 3
 
 
 class Status(IntEnum):
