@@ -2,9 +2,9 @@
 
 The pipeline's launching thread queues every layer's segment at once, each behind a wait on the CPU attention's
 done flag of the layer before (pipeline.py). Waiting on the host instead, the thread launched a segment only after
-the flag came, so the device drained every layer and then idled through the thread's wake-up and the launch
-(~0.17 ms a layer at 8 SMs). The wait is a CUDA stream memory operation (`cuStreamWaitValue64`, driver API):
-the device polls the flag itself.
+the flag came, so the device idled through the thread's wake-up and the launch in every layer (~0.5 ms of a
+sequential iteration at 8 SMs, bench/RESULTS.md). The wait is a CUDA stream memory operation
+(`cuStreamWaitValue64`, driver API): the device polls the flag itself.
 
 It waits for the flag's lowest bit: 1 (set) and -1 (`Flags.FAILED`: the host gave up) both release it, so a
 failed iteration never leaves the device waiting.
@@ -58,6 +58,7 @@ def available(device: torch.device) -> bool:
         enqueue_wait(torch.cuda.current_stream(device), flag.data_ptr())
         torch.cuda.current_stream(device).synchronize()
     except RuntimeError as err:
-        log.info("device-side waits on host flags unavailable (%s): the launching thread waits instead", err)
+        log.info("pipeline hand-offs: the launching thread waits for each layer's CPU attention (%s)", err)
         return False
+    log.info("pipeline hand-offs: the device waits for each layer's CPU attention itself")
     return True
