@@ -69,16 +69,16 @@ class Roofline:
 
 
 def setting(
-    name: str, sm8_bw: float = 637e9, sm8_flops: float = 55e12, host_bw: float = 100e9
+    name: str, sm8_bw: float = 637e9, sm8_flops: float = 55e12, host_bw: float = 100e9, host_fixed_s: float = 11e-3
 ) -> tuple[Roofline, int, float]:
     """(cost model, device KV blocks, host KV GiB) of the emulated settings. The host's terms are fitted to the
     engine's iterations at 8 SMs, Llama-2-7B shape (bench/RESULTS.md): a sequential iteration with one CPU decode
     at context ~1.1k takes ~16-17 ms more than the GPU-only one (~5.6 ms of GPU idle between the layers' segment
     graphs, the rest the kernel), eight ~58 ms more: ~11 ms fixed and ~5.8 ms per request (~100 GB/s)."""
     if name == "a10g":  # Llama-3-8B (GQA 8 KV heads), 24 GB: 3606 blocks as bench/serving.py sizes it
-        return Roofline(16.06e9, 2 * 32 * 8 * 128 * 2, sm8_bw, sm8_flops, host_bw), 3606, 32.0
+        return Roofline(16.06e9, 2 * 32 * 8 * 128 * 2, sm8_bw, sm8_flops, host_bw, host_fixed_s), 3606, 32.0
     if name == "t4mem":  # Llama-2-7B (MHA), 16 GB
-        return Roofline(13.5e9, 2 * 32 * 32 * 128 * 2, sm8_bw, sm8_flops, host_bw), 185, 48.0
+        return Roofline(13.5e9, 2 * 32 * 32 * 128 * 2, sm8_bw, sm8_flops, host_bw, host_fixed_s), 185, 48.0
     raise ValueError(name)
 
 
@@ -157,6 +157,12 @@ def main() -> int:
         help="requests arriving this early in a trace are left out of its figures",
     )
     parser.add_argument("--host-bw", type=float, default=100e9)
+    parser.add_argument(
+        "--host-fixed-s",
+        type=float,
+        default=11e-3,
+        help="what an iteration with host work costs beyond the kernel's reads (the fit to serving's iterations)",
+    )
     parser.add_argument("--num-gpu-blocks", type=int, help="the device KV pool (default: the setting's)")
     parser.add_argument(
         "--knob",
@@ -168,7 +174,7 @@ def main() -> int:
     )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    roof, gpu_blocks, cpu_gb = setting(args.setting, host_bw=args.host_bw)
+    roof, gpu_blocks, cpu_gb = setting(args.setting, host_bw=args.host_bw, host_fixed_s=args.host_fixed_s)
     gpu_blocks = args.num_gpu_blocks or gpu_blocks
     knobs = EngineConfig.from_strings(dict(args.knob)).__dict__
     knobs = {k: knobs[k] for k, _ in args.knob}
