@@ -6,6 +6,7 @@
 #   bash bench/h200_emulated.sh d                  # (d) A10G-class: Llama-3-8B shape, 24 GB, never and auto
 #   bash bench/h200_emulated.sh e                  # (e) T4-class memory: Llama-2-7B shape (MHA), 16 GB
 #   bash bench/h200_emulated.sh e_always e_sequential  # (e): never against always; its sequential iterations
+#   bash bench/h200_emulated.sh e_swap             # (e): one request's swap, alone and beside CPU attention
 # (e) runs on 8 SMs, twice a T4's bandwidth: the smallest partition. The policies of a setting share one engine
 # (bench/serving.py); settings run one after another, as every partition is the device's first 8 SMs.
 # Results in $OUT. TOKENIZER names a tokenizer directory, as for bench/h200.sh.
@@ -32,8 +33,11 @@ SERVE=(python3 bench/serving.py --policies never auto --gpu-sm-count 8 --warmup-
             --cpu-kv-cache-gb 32 --json "$OUT/h200_serving_d_a10g.json" ;;
       e)
         step 575 "${SERVE[@]}" --model bench/configs/llama2-7b --load-format dummy --gpu-memory-gb 16 \
-            --rates 0.1 0.25 0.4 --seconds-per-rate 45 --offline 12 --cpu-kv-cache-gb 48 \
-            --json "$OUT/h200_serving_e_t4mem.json" ;;
+            --rates 0.1 0.25 0.4 --seconds-per-rate 45 --offline 12 --cpu-kv-cache-gb 48 --cpu-latency-slack 2 \
+            --iteration-log "$OUT/h200_serving_e_t4mem_iterations.jsonl" --json "$OUT/h200_serving_e_t4mem.json" ;;
+      e_swap)
+        step 120 python3 bench/swap.py --device cuda --model bench/configs/llama2-7b --context 1100 --busy-host \
+            --json "$OUT/h200_swap_e.json" ;;
       e_always)
         step 330 python3 bench/serving.py --policies never always --gpu-sm-count 8 --warmup-seconds 10 \
             --tokenizer "$TOKENIZER" --model bench/configs/llama2-7b --load-format dummy --gpu-memory-gb 16 \
