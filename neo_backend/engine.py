@@ -52,7 +52,8 @@ class InFlightStep:
     launched: LaunchedStep
     positions: list[int]
     started: float  # time.monotonic() at launch
-    schedule_seconds: float
+    schedule_seconds: float  # from scheduling to launch, `swap_seconds` included
+    swap_seconds: float  # landing swap-outs and carrying out this step's swaps, on the engine thread
     overlapped: bool  # launched before the step before it was read back: measured when read back
 
 
@@ -255,12 +256,15 @@ class LLMEngine:
         outputs = self._read_back() if self.scheduler.host_in_use else []
         scheduling = time.monotonic()
         self.scheduler.swaps_landed(self.runner.land_swap_outs(wait=False))
+        swap_seconds = time.monotonic() - scheduling
         batch = self.scheduler.schedule()
         overlapped = self._can_overlap(batch)
         if not overlapped:
             outputs += self._read_back()
             batch.drop_finished()
+        swapping = time.monotonic()
         self.runner.swap(batch)
+        swap_seconds += time.monotonic() - swapping
         if batch.is_empty:
             return outputs + self._read_back()
         start = time.monotonic()
@@ -285,7 +289,7 @@ class LLMEngine:
             seq.num_computed_tokens += n
         self.runner.start_swap_outs(self.scheduler.offload(batch.offload_after_step))
         positions = self._add_pending_tokens(launched.seqs)
-        step = InFlightStep(batch, launched, positions, start, start - scheduling, overlapped)
+        step = InFlightStep(batch, launched, positions, start, start - scheduling, swap_seconds, overlapped)
         if overlapped:
             outputs += self._read_back()  # the step before, while the device runs this one
             self._in_flight = step
@@ -293,7 +297,7 @@ class LLMEngine:
         if launched.sample is not None:
             launched.sample.result()
         host_seconds = (host.seconds if host else 0.0) - host_seconds_before
-        self._record_iteration(batch, time.monotonic() - start, host_seconds, step.schedule_seconds, False)
+        self._record_iteration(step, time.monotonic() - start, host_seconds)
         self._in_flight = step
         return outputs + self._read_back()
 
@@ -325,7 +329,7 @@ class LLMEngine:
             result = launched.sample.result() if launched.sample is not None else None
             if step.overlapped:
                 measured = launched.device_seconds() or time.monotonic() - step.started
-                self._record_iteration(step.batch, measured, 0.0, step.schedule_seconds, True)
+                self._record_iteration(step, measured, 0.0)
         except Exception as exc:  # the device failed the step: its requests fail, not the server
             log.exception("reading back an iteration failed; failing its %d requests", len(launched.seqs))
             return self._fail_all(launched.seqs, exc)
@@ -386,15 +390,13 @@ class LLMEngine:
 
     # Internals --------------------------------------------------------------------------------------------
 
-    def _record_iteration(
-        self, batch: SchedulerOutput, measured: float, host_seconds: float, schedule_seconds: float, overlapped: bool
-    ) -> None:
-        c = self.counters
+    def _record_iteration(self, step: InFlightStep, measured: float, host_seconds: float) -> None:
+        batch, c = step.batch, self.counters
         c.prompt_tokens += batch.num_prefill_tokens
         c.gpu_decode_tokens += len(batch.gpu_decodes)
         c.cpu_decode_tokens += len(batch.cpu_decodes)
         c.modes[batch.mode] = c.modes.get(batch.mode, 0) + 1
-        c.overlapped_steps += overlapped
+        c.overlapped_steps += step.overlapped
         if self.perf_model is not None:
             self.perf_model.observe_iteration(batch.predicted_time, measured, bool(batch.cpu_decodes))
             if batch.cpu_decodes:
@@ -409,7 +411,8 @@ class LLMEngine:
             "measured_s": round(measured, 6),
             "predicted_cpu_s": round(batch.predicted_cpu_time, 6),
             "measured_cpu_s": round(host_seconds, 6),
-            "schedule_s": round(schedule_seconds, 6),
+            "schedule_s": round(step.schedule_seconds, 6),
+            "swap_s": round(step.swap_seconds, 6),
         }
 
     def _append_token(
