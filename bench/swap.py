@@ -10,7 +10,7 @@ thread, copied up and scattered into the device pool; timed to the device's end)
 device-side gather and the copy down) and its completion (the scatter into the host pool on the calling
 thread). `--busy-host` repeats them while another thread runs the engine's CPU attention iterations
 (`HostAttention.run_iteration`: append + attention in every layer, --busy-requests at the same context) in a
-loop, with the engine's default team size.
+loop, with the engine's default team size; the swaps' host-side copies use a team of that size too, as in the engine.
 """
 
 from __future__ import annotations
@@ -44,17 +44,17 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 class BusyHost:
     """CPU attention iterations in a loop on a thread of their own, over host blocks the swaps do not touch."""
 
-    def __init__(self, host: HostKVCache, cfg: ModelConfig, device: torch.device, batch: int, context: int) -> None:
+    def __init__(self, attention: HostAttention, cfg: ModelConfig, batch: int, context: int) -> None:
         per_seq = -(-context // BLOCK_SIZE)
         tables = torch.arange(batch * per_seq, dtype=torch.int32).view(batch, per_seq)
-        q = torch.randn(batch, cfg.num_heads, cfg.head_dim).to(host.k_caches[0].dtype)
+        q = torch.randn(batch, cfg.num_heads, cfg.head_dim).to(attention.host.k_caches[0].dtype)
         k = torch.randn(batch, cfg.num_kv_heads, cfg.head_dim).to(q.dtype)
         self.ready, self.done = Flags(cfg.num_layers, 0.0), Flags(cfg.num_layers, 0.0)
         self.ready.values[:] = 1
         lens = torch.full((batch,), context, dtype=torch.int32)
         slots = tables[:, -1].long() * BLOCK_SIZE
         self.lane = IterationLane(q, k, k, torch.empty_like(q), tables, lens, slots, self.ready)
-        self.attention = HostAttention(host, cfg.head_dim**-0.5, device, None, None, TensorParallel())
+        self.attention = attention
         self.num_layers = cfg.num_layers
         self.iterations = 0
         self._stop = threading.Event()
@@ -118,7 +118,8 @@ def main() -> None:
     shape = (per_seq, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim)
     device_k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
     device_v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
-    swapper = BlockSwapper(device_k, device_v, host, device)
+    attention = HostAttention(host, cfg.head_dim**-0.5, device, None, None, TensorParallel())
+    swapper = BlockSwapper(device_k, device_v, host, device, attention.kernels)  # the engine's team
     host_ids = [list(range(busy_blocks + i * per_seq, busy_blocks + (i + 1) * per_seq)) for i in range(2)]
     request_bytes = 2 * cfg.num_layers * per_seq * device_k[0][0].numel() * dtype.itemsize
 
@@ -130,7 +131,7 @@ def main() -> None:
     conditions = ["quiet"] + (["busy_host"] if args.busy_host else [])
     for condition in conditions:
         if condition == "busy_host":
-            with BusyHost(host, cfg, device, args.busy_requests, args.context) as busy:
+            with BusyHost(attention, cfg, args.busy_requests, args.context) as busy:
                 times = time_swaps(swapper, device, host_ids, args.reps)
             times["attention_team"] = busy.attention.num_threads
         else:

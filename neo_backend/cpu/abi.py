@@ -7,7 +7,7 @@ from enum import IntEnum
 
 import torch
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 
 class DType(IntEnum):

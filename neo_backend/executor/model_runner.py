@@ -134,13 +134,6 @@ class ModelRunner:
             log.info("cpu_kv_cache_gb=%s holds no KV block: offloading is off", config.cpu_kv_cache_gb)
             return
         self.host_cache = HostKVCache(self.rank_cfg, num_cpu_blocks, self.block_size, self.dtype)
-        self.swapper = BlockSwapper(
-            self.k_caches,
-            self.v_caches,
-            self.host_cache,
-            self.device,
-            self.partition.stream() if self.partition else None,
-        )
         self.host_attention = HostAttention(
             self.host_cache,
             model_cfg.head_dim**-0.5,
@@ -148,6 +141,14 @@ class ModelRunner:
             config.cpu_attention_threads,
             config.engine_cpu,
             self.tp,
+        )
+        self.swapper = BlockSwapper(
+            self.k_caches,
+            self.v_caches,
+            self.host_cache,
+            self.device,
+            self.host_attention.kernels,
+            self.partition.stream() if self.partition else None,
         )
         self.pipeline = PipelinedExecutor(self.host_attention, self._capture_lane_graphs())
         self.offload_policy = config.offload_policy

@@ -4,7 +4,8 @@ Swaps run on their own CUDA stream: a swap-out gathers the request's device bloc
 copies it to pinned memory; it completes (scatter into the host pool, device blocks freed) at the start of
 a later step once the copy has landed, or at once where the scheduler needs its device blocks now. A swap-in
 gathers host blocks into pinned staging, copies them up and scatters them into the device pool on the copy
-stream; the compute stream waits on its event before using them.
+stream; the compute stream waits on its event before using them. The host-side gathers and scatters are the
+CPU library's block copies (`Kernels.copy_blocks`), memcpy on the attention team's thread count.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..cpu.ops import Kernels
 from .host_pool import HostKVCache
 
 
@@ -35,11 +37,14 @@ class BlockSwapper:
         device_v: list[torch.Tensor],
         host: HostKVCache,
         device: torch.device,
+        kernels: Kernels,
         stream: torch.cuda.Stream | None = None,
     ) -> None:
-        """`stream`: where the copies run on CUDA (default: a new stream)."""
+        """`kernels`: the host-side block copies' library and team; `stream`: where the copies run on CUDA
+        (default: a new stream)."""
         self.device_k, self.device_v, self.host = device_k, device_v, host
         self.device = device
+        self.kernels = kernels
         self.stream = stream or (torch.cuda.Stream(device) if device.type == "cuda" else None)
         self._pending: list[_PendingSwapOut] = []
         self._swap_in_done: torch.cuda.Event | None = None
@@ -78,16 +83,17 @@ class BlockSwapper:
                 continue
             if swap.done is not None:
                 swap.done.synchronize()
+            staged_ids = torch.arange(len(swap.host_blocks))
             for layer, staged in enumerate(swap.staging):
-                self.host.k_caches[layer].index_copy_(0, swap.host_blocks, staged[0])
-                self.host.v_caches[layer].index_copy_(0, swap.host_blocks, staged[1])
+                self.kernels.copy_blocks(self.host.k_caches[layer], swap.host_blocks, staged[0], staged_ids)
+                self.kernels.copy_blocks(self.host.v_caches[layer], swap.host_blocks, staged[1], staged_ids)
             freed += swap.release
         self._pending = still
         return freed
 
     def swap_in(self, host_blocks: list[int], device_blocks: list[int]) -> None:
         """Copy host blocks to device blocks; compute waits for it via `wait_swap_in`."""
-        src = torch.tensor(host_blocks, dtype=torch.long)
+        src, staged_ids = torch.tensor(host_blocks, dtype=torch.long), torch.arange(len(host_blocks))
         with self._on_copy_stream():
             dst = self._device_ids(device_blocks)
             for k, v, hk, hv in zip(self.device_k, self.device_v, self.host.k_caches, self.host.v_caches):
@@ -95,8 +101,8 @@ class BlockSwapper:
                 staged = torch.empty(
                     (2, len(host_blocks), *hk.shape[1:]), dtype=hk.dtype, pin_memory=self.stream is not None
                 )
-                torch.index_select(hk, 0, src, out=staged[0])
-                torch.index_select(hv, 0, src, out=staged[1])
+                self.kernels.copy_blocks(staged[0], staged_ids, hk, src)
+                self.kernels.copy_blocks(staged[1], staged_ids, hv, src)
                 up = staged.to(self.device, non_blocking=True)
                 k.index_copy_(0, dst, up[0])
                 v.index_copy_(0, dst, up[1])

@@ -11,7 +11,9 @@ from engine_helpers import collect, fixed_perf_model, mixed_requests
 
 from neo_backend import EngineConfig, LLMEngine
 from neo_backend.config import ModelConfig
+from neo_backend.cpu import library
 from neo_backend.cpu.handoff import Flags
+from neo_backend.cpu.ops import Kernels
 from neo_backend.executor import stream_waits
 from neo_backend.executor.host_pool import HostKVCache
 from neo_backend.executor.swapper import BlockSwapper
@@ -261,7 +263,8 @@ def test_swaps_copy_the_right_blocks_while_the_compute_stream_moves_on():
     shape = (64, 16, cfg.num_kv_heads, cfg.head_dim)
     device_k = [torch.randn(shape, device="cuda", dtype=torch.float16) for _ in range(cfg.num_layers)]
     device_v = [torch.randn(shape, device="cuda", dtype=torch.float16) for _ in range(cfg.num_layers)]
-    swapper = BlockSwapper(device_k, device_v, HostKVCache(cfg, 64, 16, torch.float16), torch.device("cuda"))
+    host = HostKVCache(cfg, 64, 16, torch.float16)
+    swapper = BlockSwapper(device_k, device_v, host, torch.device("cuda"), Kernels(library.default(), 2))
     out_blocks, in_blocks = list(range(1, 33)), list(range(33, 64))
 
     def busy_copy_stream():
