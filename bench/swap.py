@@ -56,7 +56,6 @@ class BusyHost:
         self.lane = IterationLane(q, k, k, torch.empty_like(q), tables, lens, slots, self.ready)
         self.attention = attention
         self.num_layers = cfg.num_layers
-        self.iterations = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
@@ -73,7 +72,6 @@ class BusyHost:
         while not self._stop.is_set():
             self.done.reset(self.num_layers)
             self.attention.run_iteration([self.lane], self.done, 60.0)
-            self.iterations += 1
 
 
 def time_swaps(swapper: BlockSwapper, device: torch.device, host_ids: list[list[int]], reps: int) -> dict:
@@ -131,9 +129,9 @@ def main() -> None:
     conditions = ["quiet"] + (["busy_host"] if args.busy_host else [])
     for condition in conditions:
         if condition == "busy_host":
-            with BusyHost(attention, cfg, args.busy_requests, args.context) as busy:
+            with BusyHost(attention, cfg, args.busy_requests, args.context):
                 times = time_swaps(swapper, device, host_ids, args.reps)
-            times["attention_team"] = busy.attention.num_threads
+            times["attention_team"] = attention.num_threads
         else:
             times = time_swaps(swapper, device, host_ids, args.reps)
         results[condition] = times

@@ -182,8 +182,8 @@ def test_append_kv(dtype):
 
 @pytest.mark.parametrize(
     "block_shape, dtype",
-    [((16, 8, 128), torch.bfloat16), ((16, 4, 160), torch.float16), ((3, 5, 7), torch.float32)],
-    ids=["32KiB", "20KiB", "420B"],
+    [((16, 8, 128), torch.bfloat16), ((16, 4, 320), torch.float16), ((3, 5, 7), torch.float32)],
+    ids=["32KiB", "40KiB", "420B"],
 )
 @pytest.mark.parametrize("threads", [1, 3])
 def test_copy_blocks_gathers_and_scatters_whole_blocks(block_shape, dtype, threads):
