@@ -16,7 +16,7 @@ from ..core.scheduler_output import SchedulerOutput, SwapOut
 from ..core.sequence import PENDING_TOKEN, Sequence
 from ..cpu.abi import SUPPORTED_HEAD_DIMS
 from ..errors import ConfigError
-from ..layers.attention import AttentionMetadata, PrefillChunk
+from ..layers.attention import AttentionMetadata, PrefillChunk, prefill_metadata
 from ..layers.parallel import TensorParallel
 from ..layers.sampler import PendingSample, Sampler
 from ..models.loader import ModelSource, load_model
@@ -199,14 +199,7 @@ class ModelRunner:
         self._allocate_kv(probe_blocks)
         with torch.inference_mode():
             ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-            table = torch.arange(probe_blocks, dtype=torch.int32, device=self.device)
-            meta = AttentionMetadata(
-                slot_mapping=torch.arange(num_tokens, device=self.device),
-                prefills=[PrefillChunk(0, num_tokens, 0, table)],
-                num_prefill_tokens=num_tokens,
-                decode_block_tables=torch.zeros(0, 1, dtype=torch.int32, device=self.device),
-                decode_context_lens=torch.zeros(0, dtype=torch.int32, device=self.device),
-            )
+            meta = prefill_metadata(num_tokens, self.block_size, self.device)
             hidden = self.model(ids, torch.arange(num_tokens, device=self.device), meta)
             self.model.compute_logits(hidden[-min(num_tokens, self.config.max_num_seqs) :]).float()
         torch.cuda.synchronize()

@@ -43,6 +43,19 @@ class AttentionMetadata:
         return self.num_prefill_tokens + self.num_decodes
 
 
+def prefill_metadata(num_tokens: int, block_size: int, device: torch.device) -> AttentionMetadata:
+    """One prompt of `num_tokens` tokens from position 0 in the pool's first blocks: the shape the start-up
+    measurements give a prefill."""
+    num_blocks = (num_tokens + block_size - 1) // block_size
+    return AttentionMetadata(
+        slot_mapping=torch.arange(num_tokens, device=device),
+        prefills=[PrefillChunk(0, num_tokens, 0, torch.arange(num_blocks, dtype=torch.int32, device=device))],
+        num_prefill_tokens=num_tokens,
+        decode_block_tables=torch.zeros(0, 1, dtype=torch.int32, device=device),
+        decode_context_lens=torch.zeros(0, dtype=torch.int32, device=device),
+    )
+
+
 class PagedAttention(torch.nn.Module):
     def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         super().__init__()

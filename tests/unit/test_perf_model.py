@@ -185,7 +185,7 @@ def test_a_missing_damaged_or_foreign_profile_is_a_cache_miss(tmp_path, content)
 
 
 def test_profiles_are_cached_by_what_the_timings_depend_on(tiny_model_dirs, tmp_path, monkeypatch):
-    """The same model and knobs load the saved profile; a knob the timings do not depend on (max_num_seqs) shares
+    """The same model and knobs load the saved profile; a knob the timings do not depend on (cpu_latency_slack) shares
     it; one they do depend on (block_size) is profiled and saved beside it."""
     profiled = []
 
@@ -213,7 +213,38 @@ def test_profiles_are_cached_by_what_the_timings_depend_on(tiny_model_dirs, tmp_
     assert profiled == [8] and first.perf_model == _model(dense_tokens=[1], dense_seconds=[8 * MS])
     [saved] = (tmp_path / "profiles").glob("*.json")
     assert load_cached(saved) == first.perf_model
-    assert engine().perf_model == first.perf_model and engine(max_num_seqs=4).perf_model == first.perf_model
+    assert engine().perf_model == first.perf_model and engine(cpu_latency_slack=3.0).perf_model == first.perf_model
     assert profiled == [8], "the same timings are not profiled twice"
     assert engine(block_size=16).perf_model.dense_seconds == [16 * MS]
     assert profiled == [8, 16] and len(list((tmp_path / "profiles").glob("*.json"))) == 2
+
+
+def test_dense_profile_times_decode_rows_up_to_max_num_seqs_and_prefills_beyond(tiny_model_dirs, tmp_path, monkeypatch):
+    """An iteration of more tokens than `max_num_seqs` holds a prompt's prefill, so that is what the dense profile
+    times there: decode rows are a different pass (on a small GPU ~1.4x slower for the same tokens)."""
+    from neo_backend.models.llama import LlamaForCausalLM
+
+    passes = []
+    forward = LlamaForCausalLM.forward
+
+    def recorded(self, input_ids, positions, meta):
+        passes.append((input_ids.numel(), meta.num_prefill_tokens, meta.num_decodes))
+        return forward(self, input_ids, positions, meta)
+
+    monkeypatch.setattr(LlamaForCausalLM, "forward", recorded)
+    LLMEngine(
+        EngineConfig(
+            model=str(tiny_model_dirs["llama3"]),
+            num_gpu_blocks=24,
+            block_size=8,
+            max_num_seqs=16,
+            max_num_batched_tokens=64,
+            cpu_kv_cache_gb=0.01,
+            offload_policy="auto",
+            cache_dir=str(tmp_path),
+        )
+    )
+    shapes = {tokens: (prefill, decodes) for tokens, prefill, decodes in passes}
+    assert sorted(shapes) == [1, 8, 16, 32, 64]
+    assert all(shapes[t] == (0, t) for t in (1, 8, 16)), shapes
+    assert all(shapes[t] == (t, 0) for t in (32, 64)), shapes
