@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The NEO paper's small-GPU settings emulated on the H200: an 8-SM partition (`--gpu-sm-count 8`, ~640 GB/s and
 # ~55 TFLOP/s, an A10G-class device) and a memory budget, dummy bf16 weights, the paper's A10G trace. Steps, in
-# the order given (each a few minutes):
+# the order given (each a few minutes; d, d_offline, e and e_offline each fill most of a 10-minute call):
 #   bash bench/h200_emulated.sh tests roofline c   # CUDA tests of the partition, its roofline, (c) full H200
-#   bash bench/h200_emulated.sh d                  # (d) A10G-class: Llama-3-8B shape, 24 GB, never and auto
-#   bash bench/h200_emulated.sh e                  # (e) T4-class memory: Llama-2-7B shape (MHA), 16 GB
+#   bash bench/h200_emulated.sh d d_offline        # (d) A10G-class: Llama-3-8B shape, 24 GB, never and auto
+#   bash bench/h200_emulated.sh e e_offline        # (e) T4-class memory: Llama-2-7B shape (MHA), 16 GB
 #   bash bench/h200_emulated.sh e_always e_sequential  # (e): never against always; its sequential iterations
 #   bash bench/h200_emulated.sh e_swap             # (e): one request's swap, alone and beside CPU attention
 # (e) runs on 8 SMs, twice a T4's bandwidth: the smallest partition. The policies of a setting share one engine
@@ -29,12 +29,19 @@ SERVE=(python3 bench/serving.py --policies never auto --gpu-sm-count 8 --warmup-
         step 170 python3 bench/serving.py --rates 8 16 --num-requests 60 --policies never auto --cpu-kv-cache-gb 16 \
             --tokenizer "$TOKENIZER" --json "$OUT/h200_serving_c_full.json" ;;
       d)
-        step 470 "${SERVE[@]}" --gpu-memory-gb 24 --rates 0.5 1.5 2.5 --seconds-per-rate 36 --offline 40 \
+        step 370 "${SERVE[@]}" --gpu-memory-gb 24 --rates 0.5 1.5 2.5 --seconds-per-rate 36 \
             --cpu-kv-cache-gb 32 --json "$OUT/h200_serving_d_a10g.json" ;;
+      d_offline)
+        step 300 "${SERVE[@]}" --gpu-memory-gb 24 --rates --offline 40 --cpu-kv-cache-gb 32 \
+            --json "$OUT/h200_serving_d_a10g_offline.json" ;;
       e)
-        step 575 "${SERVE[@]}" --model bench/configs/llama2-7b --load-format dummy --gpu-memory-gb 16 \
-            --rates 0.1 0.25 0.4 --seconds-per-rate 45 --offline 12 --cpu-kv-cache-gb 48 --cpu-latency-slack 2 \
+        step 535 "${SERVE[@]}" --model bench/configs/llama2-7b --load-format dummy --gpu-memory-gb 16 \
+            --rates 0.1 0.25 0.4 --seconds-per-rate 45 --cpu-kv-cache-gb 48 --cpu-latency-slack 2 \
             --iteration-log "$OUT/h200_serving_e_t4mem_iterations.jsonl" --json "$OUT/h200_serving_e_t4mem.json" ;;
+      e_offline)
+        step 280 "${SERVE[@]}" --model bench/configs/llama2-7b --load-format dummy --gpu-memory-gb 16 \
+            --rates --offline 12 --cpu-kv-cache-gb 48 --cpu-latency-slack 2 \
+            --json "$OUT/h200_serving_e_t4mem_offline.json" ;;
       e_swap)
         step 120 python3 bench/swap.py --device cuda --model bench/configs/llama2-7b --context 1100 --busy-host \
             --json "$OUT/h200_swap_e.json" ;;

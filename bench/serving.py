@@ -250,7 +250,7 @@ def without_last_iteration(stats: dict) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--policies", nargs="+", default=["never", "auto"])
-    parser.add_argument("--rates", nargs="+", type=float, default=[1, 2, 4, 8])
+    parser.add_argument("--rates", nargs="*", type=float, default=[1, 2, 4, 8], help="none: only the --offline run")
     parser.add_argument("--num-requests", type=int, default=200)
     parser.add_argument(
         "--seconds-per-rate",
@@ -281,6 +281,8 @@ def main() -> int:
     parser.add_argument("--iteration-log", type=Path, help="JSON lines of every iteration's engine stats")
     add_engine_args(parser)
     args = parser.parse_args()
+    if not (args.rates or args.offline or args.replay_records):
+        parser.error("nothing to run: give --rates, --offline or --replay-records")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     front = start_engine(args, "never" if set(args.policies) == {"never"} else "auto")
     iteration_log = IterationLog(front, args.iteration_log)
@@ -377,23 +379,20 @@ def paper_metric(results: dict[str, list[dict]], factor: float = 2.0) -> dict:
 def build_report(results: dict[str, list[dict]], offline: dict[str, dict], args, num_gpu_blocks: int | None) -> dict:
     """The paper's metric; per policy, the best output tokens/s among rates whose P99 TPOT meets the SLO, and ratios
     over never; the offline runs and their throughput ratios."""
-    base = results.get("never") or next(iter(results.values()))
-    slo = args.slo_factor * base[0]["tpot_p99_s"]
-    best = {}
-    for policy, rows in results.items():
-        ok = [r for r in rows if r["tpot_p99_s"] is not None and r["tpot_p99_s"] <= slo and not r["failed"]]
-        best[policy] = max((r["output_tokens_per_s"] for r in ok), default=0.0)
-    report = {
-        "paper_metric": paper_metric(results),
-        "slo_tpot_p99_s": slo,
-        "best_throughput_under_slo": best,
-        "results": results,
-        "offline": offline,
-        "num_gpu_blocks": num_gpu_blocks,
-        "args": {k: str(v) for k, v in vars(args).items()},
-    }
-    if best.get("never"):
-        report["ratios_over_never"] = {p: b / best["never"] for p, b in best.items()}
+    report: dict = {}
+    if any(results.values()):
+        base = results.get("never") or next(rows for rows in results.values() if rows)
+        slo = args.slo_factor * base[0]["tpot_p99_s"]
+        best = {}
+        for policy, rows in results.items():
+            ok = [r for r in rows if r["tpot_p99_s"] is not None and r["tpot_p99_s"] <= slo and not r["failed"]]
+            best[policy] = max((r["output_tokens_per_s"] for r in ok), default=0.0)
+        report = {"paper_metric": paper_metric(results), "slo_tpot_p99_s": slo, "best_throughput_under_slo": best}
+        if best.get("never"):
+            report["ratios_over_never"] = {p: b / best["never"] for p, b in best.items()}
+    report.update(
+        results=results, offline=offline, num_gpu_blocks=num_gpu_blocks, args={k: str(v) for k, v in vars(args).items()}
+    )
     if "never" in offline:
         report["offline_ratios_over_never"] = {
             p: r["output_tokens_per_s"] / offline["never"]["output_tokens_per_s"] for p, r in offline.items()

@@ -34,8 +34,8 @@ from neo_backend.core.sequence import Sequence  # noqa: E402
 from neo_backend.executor.profiler import DENSE_PROFILE_TOKENS  # noqa: E402
 
 BLOCK_SIZE = 16
-SWAP_BYTES_PER_S = 6e9  # a swap as the scheduler waits for it: measured ~90 ms per 552 MB request (device to
-# host copy, then the scatter into the host pool), setting (e) on the H200
+SWAP_BYTES_PER_S = 15e9  # a swap as the scheduler waits for it: 27-55 ms per 577-700 MB request in serving
+# (setting (e) on the H200: the copy, and the gather or scatter on the host side)
 
 
 @dataclass
@@ -48,7 +48,7 @@ class Roofline:
     gpu_bw: float
     gpu_flops: float
     cpu_bw: float
-    cpu_fixed_s: float = 11e-3
+    cpu_fixed_s: float = 9e-3
     cpu_per_request_s: float = 20e-6
     step_overhead_s: float = 1e-3
 
@@ -69,12 +69,14 @@ class Roofline:
 
 
 def setting(
-    name: str, sm8_bw: float = 637e9, sm8_flops: float = 55e12, host_bw: float = 100e9, host_fixed_s: float = 11e-3
+    name: str, sm8_bw: float = 850e9, sm8_flops: float = 55e12, host_bw: float = 100e9, host_fixed_s: float = 9e-3
 ) -> tuple[Roofline, int, float]:
-    """(cost model, device KV blocks, host KV GiB) of the emulated settings. The host's terms are fitted to the
+    """(cost model, device KV blocks, host KV GiB) of the emulated settings. The device reads its weights at the
+    rate the engine's decodes reach at 8 SMs (one Llama-2-7B decode in 16.9 ms: ~850 GB/s of reads, where a copy,
+    reading and writing, moves ~640 GB/s). The host's terms are fitted to the
     engine's iterations at 8 SMs, Llama-2-7B shape (bench/RESULTS.md): a sequential iteration with one CPU decode
-    at context ~1.1k takes ~16-17 ms more than the GPU-only one (~5.6 ms of GPU idle between the layers' segment
-    graphs, the rest the kernel), eight ~58 ms more: ~11 ms fixed and ~5.8 ms per request (~100 GB/s)."""
+    at context ~1.1k takes ~15 ms more than the GPU-only one, with two CPU decodes ~20.5 ms more: ~9 ms fixed
+    (the layers' hand-offs) and ~5.6 ms per request (~100 GB/s)."""
     if name == "a10g":  # Llama-3-8B (GQA 8 KV heads), 24 GB: 3606 blocks as bench/serving.py sizes it
         return Roofline(16.06e9, 2 * 32 * 8 * 128 * 2, sm8_bw, sm8_flops, host_bw, host_fixed_s), 3606, 32.0
     if name == "t4mem":  # Llama-2-7B (MHA), 16 GB
@@ -160,7 +162,7 @@ def main() -> int:
     parser.add_argument(
         "--host-fixed-s",
         type=float,
-        default=11e-3,
+        default=9e-3,
         help="what an iteration with host work costs beyond the kernel's reads (the fit to serving's iterations)",
     )
     parser.add_argument("--num-gpu-blocks", type=int, help="the device KV pool (default: the setting's)")
