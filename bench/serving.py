@@ -11,7 +11,8 @@ Per rate: requests/s, output tokens/s, mean per-token latency (the NEO paper's m
 arriving in the first --warmup-seconds load the server but are left out of the figures. Per policy, two
 comparisons with GPU-only (`never`): the paper's, the highest output tokens/s whose mean per-token latency
 stays under 2x GPU-only's at the lightest rate; and the highest whose P99 TPOT stays under the SLO (default
-1.5x GPU-only's P99 TPOT at the lightest rate). --offline adds a run with every request at t=0.
+1.5x GPU-only's P99 TPOT at the lightest rate). --offline adds a run with every request at t=0 (alone with
+`--rates` given no values).
 """
 
 from __future__ import annotations
