@@ -382,13 +382,13 @@ def build_report(results: dict[str, list[dict]], offline: dict[str, dict], args,
     over never; the offline runs and their throughput ratios."""
     report: dict = {}
     if any(results.values()):
-        base = results.get("never") or next(rows for rows in results.values() if rows)
+        base = results.get("never") or next(iter(results.values()))
         slo = args.slo_factor * base[0]["tpot_p99_s"]
         best = {}
         for policy, rows in results.items():
             ok = [r for r in rows if r["tpot_p99_s"] is not None and r["tpot_p99_s"] <= slo and not r["failed"]]
             best[policy] = max((r["output_tokens_per_s"] for r in ok), default=0.0)
-        report = {"paper_metric": paper_metric(results), "slo_tpot_p99_s": slo, "best_throughput_under_slo": best}
+        report.update(paper_metric=paper_metric(results), slo_tpot_p99_s=slo, best_throughput_under_slo=best)
         if best.get("never"):
             report["ratios_over_never"] = {p: b / best["never"] for p, b in best.items()}
     report.update(

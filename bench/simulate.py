@@ -36,6 +36,8 @@ from neo_backend.executor.profiler import DENSE_PROFILE_TOKENS  # noqa: E402
 BLOCK_SIZE = 16
 SWAP_BYTES_PER_S = 15e9  # a swap as the scheduler waits for it: 27-55 ms per 577-700 MB request in serving
 # (setting (e) on the H200: the copy, and the gather or scatter on the host side)
+HOST_BW = 100e9  # the host's attention read rate and what an iteration with host work costs beyond it: the fit
+HOST_FIXED_S = 9e-3  # to serving's iterations (`setting`)
 
 
 @dataclass
@@ -48,7 +50,7 @@ class Roofline:
     gpu_bw: float
     gpu_flops: float
     cpu_bw: float
-    cpu_fixed_s: float = 9e-3
+    cpu_fixed_s: float
     cpu_per_request_s: float = 20e-6
     step_overhead_s: float = 1e-3
 
@@ -69,7 +71,11 @@ class Roofline:
 
 
 def setting(
-    name: str, sm8_bw: float = 850e9, sm8_flops: float = 55e12, host_bw: float = 100e9, host_fixed_s: float = 9e-3
+    name: str,
+    sm8_bw: float = 850e9,
+    sm8_flops: float = 55e12,
+    host_bw: float = HOST_BW,
+    host_fixed_s: float = HOST_FIXED_S,
 ) -> tuple[Roofline, int, float]:
     """(cost model, device KV blocks, host KV GiB) of the emulated settings. The device reads its weights at the
     rate the engine's decodes reach at 8 SMs (one Llama-2-7B decode in 16.9 ms: ~850 GB/s of reads, where a copy,
@@ -158,11 +164,11 @@ def main() -> int:
         default=60.0,
         help="requests arriving this early in a trace are left out of its figures",
     )
-    parser.add_argument("--host-bw", type=float, default=100e9)
+    parser.add_argument("--host-bw", type=float, default=HOST_BW)
     parser.add_argument(
         "--host-fixed-s",
         type=float,
-        default=9e-3,
+        default=HOST_FIXED_S,
         help="what an iteration with host work costs beyond the kernel's reads (the fit to serving's iterations)",
     )
     parser.add_argument("--num-gpu-blocks", type=int, help="the device KV pool (default: the setting's)")
