@@ -11,6 +11,7 @@ Prints, per CPU batch size, pipelined / max(GPU alone, CPU alone); 1.0 is perfec
 to the CPU decodes, sub-batch 1 is empty: the sequential mode, whose iteration is the sum of its parts, so
 pipelined - GPU alone - the kernel's own time in that iteration (`cpu_kernel_ms`) is what the per-layer hand-offs
 cost. The host pool's blocks in use are written first, so the kernel reads DRAM, not the kernel's zero page.
+`predicted_ms` is the performance model's time for that iteration.
 """
 
 from __future__ import annotations
@@ -144,6 +145,12 @@ def measure(engine: LLMEngine, gpu_decodes: int, cpu_decodes: int, context: int,
         cpu_alone = median_seconds(cpu_part, device=device, warmup=1)
     for executor in (real, instant):
         executor.shutdown()
+    perf, gpu_ctx = engine.scheduler.perf, gpu_decodes * context
+    if split == cpu_decodes:
+        predicted = perf.sequential(gpu_decodes, gpu_ctx, cpu_decodes, cpu_decodes * context)
+    else:
+        rest = cpu_decodes - split
+        predicted = perf.pipelined(gpu_decodes, gpu_ctx, (split, split * context), (rest, rest * context))
     return {
         "gpu_decodes": gpu_decodes,
         "cpu_decodes": cpu_decodes,
@@ -153,6 +160,7 @@ def measure(engine: LLMEngine, gpu_decodes: int, cpu_decodes: int, context: int,
         "gpu_alone_ms": gpu_alone * 1e3,
         "cpu_alone_ms": cpu_alone * 1e3,
         "cpu_kernel_ms": cpu_kernel * 1e3,
+        "predicted_ms": predicted * 1e3,
         "overlap_ratio": pipelined / max(gpu_alone, cpu_alone),
     }
 
@@ -181,13 +189,14 @@ def main() -> int:
         args.json.write_text(json.dumps(rows, indent=1))
     print(
         f"{'gpu':>5} {'cpu':>5} {'split':>5} {'ctx':>6} {'pipelined_ms':>13} {'gpu_alone_ms':>13} "
-        f"{'cpu_alone_ms':>13} {'cpu_kernel_ms':>13} ratio"
+        f"{'cpu_alone_ms':>13} {'cpu_kernel_ms':>13} {'predicted_ms':>13} ratio"
     )
     for r in rows:
         print(
             f"{r['gpu_decodes']:5d} {r['cpu_decodes']:5d} {r['split']:5d} {r['context']:6d} "
             f"{r['pipelined_ms']:13.2f} "
-            f"{r['gpu_alone_ms']:13.2f} {r['cpu_alone_ms']:13.2f} {r['cpu_kernel_ms']:13.2f} {r['overlap_ratio']:.3f}"
+            f"{r['gpu_alone_ms']:13.2f} {r['cpu_alone_ms']:13.2f} {r['cpu_kernel_ms']:13.2f} {r['predicted_ms']:13.2f} "
+            f"{r['overlap_ratio']:.3f}"
         )
     return 0
 

@@ -61,7 +61,10 @@ class PerfModel:
         return raw * self.cpu_correction
 
     def sequential(self, gpu_tokens: int, gpu_ctx: int, cpu_reqs: int, cpu_ctx: int) -> float:
-        return self.dense(gpu_tokens + cpu_reqs) + self.gpu_attention(gpu_ctx) + self.cpu_attention(cpu_reqs, cpu_ctx)
+        """One batch: in every layer the host rows' q/k/v go to the host before the device rows' attention runs,
+        so the two attentions run side by side."""
+        attention = max(self.gpu_attention(gpu_ctx), self.cpu_attention(cpu_reqs, cpu_ctx))
+        return self.dense(gpu_tokens + cpu_reqs) + attention
 
     def pipelined(self, gpu_tokens: int, gpu_ctx: int, cpu0: tuple[int, int], cpu1: tuple[int, int]) -> float:
         """Sub-batch 0 = GPU work + CPU-requests cpu0, sub-batch 1 = CPU-requests cpu1 (requests, context).

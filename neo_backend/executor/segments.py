@@ -1,7 +1,7 @@
 """Layer segments: the device work between two attentions, the unit the NEO pipeline interleaves (pipeline.py).
 
 Segment L runs, for L > 0, the merge of the host rows' attention of layer L-1 and that layer's output half; for
-L < num_layers, the input half of layer L, its device attention and the hand-off of the host rows' q/k/v. Segment
+L < num_layers, the input half of layer L, the hand-off of the host rows' q/k/v and the device rows' attention. Segment
 num_layers ends with the final norm. An eager lane and a lane's captured graphs (cuda_graphs.py) run this one
 sequence of kernels; they differ only in where the tensors that outlive a segment are kept.
 """
@@ -60,9 +60,9 @@ class LayerSegments(ABC):
             return
         layer = model.layers[layer_idx]
         q, k, v, residual = layer.attention_inputs(self.positions, hidden, residual, self.meta)
-        self.save(layer.attn(q, k, v, self.meta), residual)
-        if self.host is not None:
+        if self.host is not None:  # first: the host's attention of this layer then runs beside the device's
             self.host.send(layer_idx, q, k, v)
+        self.save(layer.attn(q, k, v, self.meta), residual)
 
     @abstractmethod
     def saved(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -62,9 +62,14 @@ def test_attention_terms_are_linear_in_their_work():
     assert model.cpu_attention(10, 10_000) == pytest.approx((0.1 + 2.0 + 3.0) * MS)
 
 
-def test_sequential_adds_every_term_and_counts_host_requests_as_dense_tokens():
-    # dense(24 + 40 = 64 tokens) + device attention of 2000 tokens + host attention of 40 requests, 20000 tokens
-    assert _model().sequential(24, 2000, 40, 20_000) == pytest.approx((12 + 2 + 0.1 + 8 + 6) * MS)
+def test_sequential_runs_the_two_attentions_side_by_side_and_counts_host_requests_as_dense_tokens():
+    model = _model()
+    # dense(24 + 40 = 64 tokens) + the longer of device attention of 2000 tokens (2 ms) and host attention of 40
+    # requests, 20000 tokens (14.1 ms)
+    assert model.sequential(24, 2000, 40, 20_000) == pytest.approx((12 + 0.1 + 8 + 6) * MS)
+    # the device's attention of 20000 tokens (20 ms) outlasts one host request of 1000 tokens (0.6 ms)
+    assert model.sequential(63, 20_000, 1, 1000) == pytest.approx((12 + 20) * MS)
+    assert model.sequential(64, 20_000, 0, 0) == pytest.approx((12 + 20) * MS)
 
 
 @pytest.mark.parametrize(
