@@ -17,12 +17,14 @@ def test_every_batch_has_a_graph_at_most_16_rows_larger(max_batch):
 
 
 @pytest.mark.parametrize("max_batch", [8, 100, 256])
-def test_lane_buckets_pad_no_more_than_a_third(max_batch):
+def test_lane_buckets_pad_a_third_at_most_from_8_rows_and_one_row_below(max_batch):
     buckets = lane_buckets(max_batch)
     assert buckets[-1] == max_batch
     for rows in range(8, max_batch + 1):
         bucket = bucket_for(buckets, rows)
         assert rows <= bucket and bucket - rows <= bucket / 3
+    for rows in range(1, min(4, max_batch) + 1):
+        assert bucket_for(buckets, rows) - rows <= 1, "a few rows pad at most one"
 
 
 @pytest.mark.parametrize("max_blocks,block_size", [(512, 16), (8192, 16), (100, 16), (8, 16), (257, 32)])
