@@ -188,9 +188,20 @@ def test_cancel_mid_stream_frees_kv_blocks(server):
         assert c.generate("The capital of France is", GREEDY).text.startswith(" Paris")
 
 
+def popen_at_a_terminal(args: list[str], **kwargs) -> subprocess.Popen:
+    """Start `args` with Ctrl-C (SIGINT) at its default, as a shell in the foreground starts it. A test run started
+    in the background (`make test &`, a CI runner) ignores SIGINT, and an ignored signal is inherited, where a
+    handler is reset to the default on exec: so one is installed here while the child starts."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return subprocess.Popen(args, **kwargs)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def test_ctrl_c_cancels_the_request_on_the_server(server):
     wait_idle(server)
-    proc = subprocess.Popen(
+    proc = popen_at_a_terminal(
         [sys.executable, "-m", "client", "Tell me a long story.", "--max-tokens", "400", "--ignore-eos"],
         cwd=ROOT,
         stdout=subprocess.PIPE,
