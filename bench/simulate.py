@@ -37,7 +37,7 @@ BLOCK_SIZE = 16
 SWAP_BYTES_PER_S = 15e9  # a swap as the scheduler waits for it: 27-55 ms per 577-700 MB request in serving
 # (setting (e) on the H200: the copy, and the gather or scatter on the host side)
 HOST_BW = 100e9  # the host's attention read rate and what an iteration with host work costs beyond it: the fit
-HOST_FIXED_S = 9e-3  # to serving's iterations (`setting`)
+HOST_FIXED_S = 6e-3  # to serving's iterations (`setting`)
 
 
 @dataclass
@@ -81,8 +81,8 @@ def setting(
     rate the engine's decodes reach at 8 SMs (one Llama-2-7B decode in 16.9 ms: ~850 GB/s of reads, where a copy,
     reading and writing, moves ~640 GB/s). The host's terms are fitted to the
     engine's iterations at 8 SMs, Llama-2-7B shape (bench/RESULTS.md): a sequential iteration with one CPU decode
-    at context ~1.1k takes ~15 ms more than the GPU-only one, with two CPU decodes ~20.5 ms more: ~9 ms fixed
-    (the layers' hand-offs) and ~5.6 ms per request (~100 GB/s)."""
+    at context ~1.2k takes ~11.3 ms more than the GPU-only one, with two CPU decodes ~17.5 ms more, the device's
+    attention running beside the host's: ~6 ms fixed (the layers' hand-offs) and ~6.3 ms per request (~100 GB/s)."""
     if name == "a10g":  # Llama-3-8B (GQA 8 KV heads), 24 GB: 3606 blocks as bench/serving.py sizes it
         return Roofline(16.06e9, 2 * 32 * 8 * 128 * 2, sm8_bw, sm8_flops, host_bw, host_fixed_s), 3606, 32.0
     if name == "t4mem":  # Llama-2-7B (MHA), 16 GB
