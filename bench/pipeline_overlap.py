@@ -145,12 +145,9 @@ def measure(engine: LLMEngine, gpu_decodes: int, cpu_decodes: int, context: int,
         cpu_alone = median_seconds(cpu_part, device=device, warmup=1)
     for executor in (real, instant):
         executor.shutdown()
-    perf, gpu_ctx = engine.scheduler.perf, gpu_decodes * context
-    if split == cpu_decodes:
-        predicted = perf.sequential(gpu_decodes, gpu_ctx, cpu_decodes, cpu_decodes * context)
-    else:
-        rest = cpu_decodes - split
-        predicted = perf.pipelined(gpu_decodes, gpu_ctx, (split, split * context), (rest, rest * context))
+    predicted = engine.scheduler.perf.iteration(
+        gpu_decodes, gpu_decodes * context, [context] * cpu_decodes, None if split == cpu_decodes else split
+    )
     return {
         "gpu_decodes": gpu_decodes,
         "cpu_decodes": cpu_decodes,

@@ -91,12 +91,8 @@ def setting(
 
 
 def iteration_time(perf: PerfModel, out: SchedulerOutput) -> float:
-    tokens, ctx = out.gpu_work()
     cpu = [len(s.token_ids) for s in out.cpu_decodes]
-    if out.pipelined:
-        split = out.split
-        return perf.pipelined(tokens, ctx, (split, sum(cpu[:split])), (len(cpu) - split, sum(cpu[split:])))
-    return perf.sequential(tokens, ctx, len(cpu), sum(cpu))
+    return perf.iteration(*out.gpu_work(), cpu, out.split if out.pipelined else None)
 
 
 def simulate(policy: str, roof: Roofline, gpu_blocks: int, cpu_gb: float, trace, knobs: dict) -> tuple[list, dict]:

@@ -73,6 +73,14 @@ class PerfModel:
         gpu1 = self.dense(cpu1[0])
         return max(gpu0, self.cpu_attention(*cpu1)) + max(gpu1, self.cpu_attention(*cpu0))
 
+    def iteration(self, gpu_tokens: int, gpu_ctx: int, cpu_ctx: list[int], split: int | None) -> float:
+        """An iteration with CPU decodes of contexts `cpu_ctx`: sequential (`split` None), or pipelined with the
+        first `split` of them in sub-batch 0."""
+        if split is None:
+            return self.sequential(gpu_tokens, gpu_ctx, len(cpu_ctx), sum(cpu_ctx))
+        cpu0, cpu1 = cpu_ctx[:split], cpu_ctx[split:]
+        return self.pipelined(gpu_tokens, gpu_ctx, (len(cpu0), sum(cpu0)), (len(cpu1), sum(cpu1)))
+
     @property
     def offload_slowdown(self) -> float:
         """How much worse than predicted iterations with CPU work run, relative to those without: what the

@@ -96,6 +96,13 @@ def test_pipelined_overlaps_each_sub_batch_host_attention_with_the_other_dense_w
     assert model.sequential(6, 0, 8, 0) == pytest.approx(sequential)
 
 
+def test_an_iteration_splits_its_cpu_decodes_in_order():
+    model, ctx = _model(), [1000, 2000, 3000]
+    assert model.iteration(4, 500, ctx, None) == model.sequential(4, 500, 3, 6000)
+    assert model.iteration(4, 500, ctx, 1) == model.pipelined(4, 500, (1, 1000), (2, 5000))
+    assert model.iteration(4, 500, ctx, 2) == model.pipelined(4, 500, (2, 3000), (1, 3000))
+
+
 # The host-attention fit --------------------------------------------------------------------------------------------
 
 PROFILE_SHAPES = [(1, 256), (4, 1024), (8, 1024), (16, 512), (32, 1024)]  # (requests, context), as profiler.py
