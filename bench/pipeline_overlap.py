@@ -8,10 +8,11 @@
     python bench/pipeline_overlap.py --device cuda      # Llama-3-8B-shaped dummy weights, bf16
 
 Prints, per CPU batch size, pipelined / max(GPU alone, CPU alone); 1.0 is perfect overlap. With `--split` equal
-to the CPU decodes, sub-batch 1 is empty: the sequential mode, whose iteration is the sum of its parts, so
-pipelined - GPU alone - the kernel's own time in that iteration (`cpu_kernel_ms`) is what the per-layer hand-offs
-cost. The host pool's blocks in use are written first, so the kernel reads DRAM, not the kernel's zero page.
-`predicted_ms` is the performance model's time for that iteration.
+to the CPU decodes (`--sequential`), sub-batch 1 is empty: the sequential mode, where each layer's host attention
+runs beside the device rows' attention and the device waits for it, so an iteration is about the GPU part alone
+less the device's attention plus the kernel's own time in that iteration (`cpu_kernel_ms`); what is left over is
+what the per-layer hand-offs cost. The host pool's blocks in use are written first, so the kernel reads DRAM,
+not the kernel's zero page. `predicted_ms` is the performance model's time for that iteration.
 """
 
 from __future__ import annotations
