@@ -13,6 +13,11 @@ runs beside the device rows' attention and the device waits for it, so an iterat
 less the device's attention plus the kernel's own time in that iteration (`cpu_kernel_ms`); what is left over is
 what the per-layer hand-offs cost. The host pool's blocks in use are written first, so the kernel reads DRAM,
 not the kernel's zero page. `predicted_ms` is the performance model's time for that iteration.
+
+`--profile DIR` also records one pipelined iteration and one GPU-part-alone iteration per CPU batch size with
+`torch.profiler` (Chrome traces in DIR) and adds where the device's time went: kernels, copies, the union of the
+two (`busy_ms`) and the rest of the iteration's span (`idle_ms`: launches, hand-offs, waits on the host), and
+the kernels that took the most time.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import json
 import logging
 import random
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -117,7 +123,42 @@ def build_iteration(engine: LLMEngine, gpu_decodes: int, cpu_decodes: int, conte
     return subs
 
 
-def measure(engine: LLMEngine, gpu_decodes: int, cpu_decodes: int, context: int, split: int | None) -> dict:
+def device_time(call: Callable[[], object], device: torch.device, trace: Path) -> dict:
+    """One call of `call` under torch.profiler, written to `trace`: the device's kernel and copy time, their union
+    and the idle rest of the span from the first device activity to the last."""
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        call()
+        sync(device)
+    prof.export_chrome_trace(str(trace))
+    spans = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    is_copy = [e.name.startswith(("Memcpy", "Memset")) for e in spans]
+    busy, end = 0.0, None
+    for e in sorted(spans, key=lambda e: e.time_range.start):
+        start, stop = e.time_range.start, e.time_range.end
+        if end is None or start > end:
+            busy, end = busy + stop - start, stop
+        elif stop > end:
+            busy, end = busy + stop - end, stop
+    wall = max(e.time_range.end for e in spans) - min(e.time_range.start for e in spans)
+    kernels: dict[str, float] = {}
+    for e, copy in zip(spans, is_copy):
+        if not copy:
+            kernels[e.name] = kernels.get(e.name, 0.0) + e.time_range.elapsed_us()
+    return {
+        "span_ms": wall / 1e3,
+        "busy_ms": busy / 1e3,
+        "idle_ms": (wall - busy) / 1e3,
+        "kernels_ms": sum(kernels.values()) / 1e3,
+        "copies_ms": sum(e.time_range.elapsed_us() for e, c in zip(spans, is_copy) if c) / 1e3,
+        "copies": sum(is_copy),
+        "top_kernels_ms": {name[:80]: us / 1e3 for name, us in sorted(kernels.items(), key=lambda kv: -kv[1])[:8]},
+    }
+
+
+def measure(
+    engine: LLMEngine, gpu_decodes: int, cpu_decodes: int, context: int, split: int | None, profile: Path | None
+) -> dict:
     runner = engine.runner
     device, model = runner.device, runner.model
     if split is None:
@@ -144,6 +185,11 @@ def measure(engine: LLMEngine, gpu_decodes: int, cpu_decodes: int, context: int,
             host_attention.run_iteration(capture.lanes, done, 60.0)
 
         cpu_alone = median_seconds(cpu_part, device=device, warmup=1)
+        profiles = {}
+        if profile is not None:
+            for kind, executor in (("pipelined", real), ("gpu_alone", instant)):
+                trace = profile / f"iteration_{gpu_decodes}gpu_{cpu_decodes}cpu_{kind}.json"
+                profiles[kind] = device_time(lambda: executor.run(model, subs), device, trace)
     for executor in (real, instant):
         executor.shutdown()
     predicted = engine.scheduler.perf.iteration(
@@ -160,6 +206,7 @@ def measure(engine: LLMEngine, gpu_decodes: int, cpu_decodes: int, context: int,
         "cpu_kernel_ms": cpu_kernel * 1e3,
         "predicted_ms": predicted * 1e3,
         "overlap_ratio": pipelined / max(gpu_alone, cpu_alone),
+        **({"profile": profiles} if profiles else {}),
     }
 
 
@@ -171,6 +218,7 @@ def main() -> int:
     parser.add_argument("--split", type=int, help="CPU decodes in sub-batch 0 (default: the scheduler's choice)")
     parser.add_argument("--sequential", action="store_true", help="every CPU decode in sub-batch 0 (--split N)")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--profile", type=Path, metavar="DIR", help="also profile one iteration of each kind")
     EngineConfig.add_cli_args(parser)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -179,8 +227,12 @@ def main() -> int:
     args.offload_policy = "always"
     args.cpu_kv_cache_gb = args.cpu_kv_cache_gb or 8
     engine = LLMEngine(EngineConfig.from_cli_args(args))
+    if args.profile:
+        if not torch.cuda.is_available():
+            parser.error("--profile records the device's time: it needs CUDA")
+        args.profile.mkdir(parents=True, exist_ok=True)
     rows = [
-        measure(engine, args.gpu_decodes, n, args.context, n if args.sequential else args.split)
+        measure(engine, args.gpu_decodes, n, args.context, n if args.sequential else args.split, args.profile)
         for n in args.cpu_decodes
     ]
     if args.json:
@@ -196,6 +248,12 @@ def main() -> int:
             f"{r['gpu_alone_ms']:13.2f} {r['cpu_alone_ms']:13.2f} {r['cpu_kernel_ms']:13.2f} {r['predicted_ms']:13.2f} "
             f"{r['overlap_ratio']:.3f}"
         )
+        for kind, p in r.get("profile", {}).items():
+            print(
+                f"      {kind}: span {p['span_ms']:.2f} ms, device busy {p['busy_ms']:.2f} "
+                f"(kernels {p['kernels_ms']:.2f}, {p['copies']} copies {p['copies_ms']:.2f}), "
+                f"idle {p['idle_ms']:.2f}; top kernels {p['top_kernels_ms']}"
+            )
     return 0
 
 

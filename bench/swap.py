@@ -8,9 +8,11 @@ next iteration's CPU decodes run, and a swap-in follows them).
 Per condition, medians over --reps of: the swap-in (host blocks gathered into pinned staging on the calling
 thread, copied up and scattered into the device pool; timed to the device's end), the swap-out's launch (the
 device-side gather and the copy down) and its completion (the scatter into the host pool on the calling
-thread). `--busy-host` repeats them while another thread runs the engine's CPU attention iterations
-(`HostAttention.run_iteration`: append + attention in every layer, --busy-requests at the same context) in a
-loop, with the engine's default team size; the swaps' host-side copies use a team of that size too, as in the engine.
+thread). Each condition's first round trip is timed apart (`first`); the first condition's meets the staging
+fresh, as a server's first swaps do. `--busy-host` repeats them while another thread runs the engine's CPU
+attention iterations (`HostAttention.run_iteration`: append + attention in every layer, --busy-requests at the
+same context) in a loop, with the engine's default team size; the swaps' host-side copies use a team of that size
+too, as in the engine.
 """
 
 from __future__ import annotations
@@ -75,10 +77,11 @@ class BusyHost:
 
 
 def time_swaps(swapper: BlockSwapper, device: torch.device, host_ids: list[list[int]], reps: int) -> dict:
-    """Median seconds of each part over `reps` round trips, alternating between two sets of host blocks."""
+    """Median seconds of each part over `reps` round trips, alternating between two sets of host blocks, after a
+    first round trip timed apart (`first`)."""
     device_ids = list(range(len(host_ids[0])))
     parts: dict[str, list[float]] = {"swap_in": [], "swap_out_launch": [], "swap_out_complete": []}
-    for rep in range(reps + 1):  # the first round trip allocates the pinned staging: left out
+    for rep in range(reps + 1):
         src, dst = host_ids[rep % 2], host_ids[(rep + 1) % 2]
         sync(device)
         start = time.perf_counter()
@@ -89,11 +92,11 @@ def time_swaps(swapper: BlockSwapper, device: torch.device, host_ids: list[list[
         launched = time.perf_counter()
         swapper.complete(wait=True)
         completed = time.perf_counter()
-        if rep:
-            parts["swap_in"].append(swapped_in - start)
-            parts["swap_out_launch"].append(launched - swapped_in)
-            parts["swap_out_complete"].append(completed - launched)
-    return {name: statistics.median(times) for name, times in parts.items()}
+        for name, seconds in zip(parts, (swapped_in - start, launched - swapped_in, completed - launched)):
+            parts[name].append(seconds)
+    times = {name: statistics.median(values[1:]) for name, values in parts.items()}
+    times["first"] = {name: values[0] for name, values in parts.items()}
+    return times
 
 
 def main() -> None:
@@ -117,7 +120,8 @@ def main() -> None:
     device_k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
     device_v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
     attention = HostAttention(host, cfg.head_dim**-0.5, device, None, None, TensorParallel())
-    swapper = BlockSwapper(device_k, device_v, host, device, attention.kernels)  # the engine's team
+    # the engine's team, and staging for two requests as the engine sizes it
+    swapper = BlockSwapper(device_k, device_v, host, device, attention.kernels, 2 * per_seq)
     host_ids = [list(range(busy_blocks + i * per_seq, busy_blocks + (i + 1) * per_seq)) for i in range(2)]
     request_bytes = 2 * cfg.num_layers * per_seq * device_k[0][0].numel() * dtype.itemsize
 
@@ -135,11 +139,12 @@ def main() -> None:
         else:
             times = time_swaps(swapper, device, host_ids, args.reps)
         results[condition] = times
-        print(
-            f"{condition:>9}: swap-in {1e3 * times['swap_in']:.1f} ms "
-            f"({request_bytes / times['swap_in'] / 1e9:.1f} GB/s), swap-out launch "
-            f"{1e3 * times['swap_out_launch']:.1f} ms, completion {1e3 * times['swap_out_complete']:.1f} ms"
-        )
+        for label, part in ((condition, times), ("first", times["first"])):
+            print(
+                f"{label:>9}: swap-in {1e3 * part['swap_in']:.1f} ms "
+                f"({request_bytes / part['swap_in'] / 1e9:.1f} GB/s), swap-out launch "
+                f"{1e3 * part['swap_out_launch']:.1f} ms, completion {1e3 * part['swap_out_complete']:.1f} ms"
+            )
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
 

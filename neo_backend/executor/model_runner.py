@@ -148,8 +148,10 @@ class ModelRunner:
             self.host_cache,
             self.device,
             self.host_attention.kernels,
+            min(2 * self.max_blocks_per_seq, num_cpu_blocks),
             self.partition.stream() if self.partition else None,
         )
+        self.swapper.warm_up(self.num_gpu_blocks)
         self.pipeline = PipelinedExecutor(self.host_attention, self._capture_lane_graphs())
         self.offload_policy = config.offload_policy
 

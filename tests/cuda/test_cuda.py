@@ -264,7 +264,7 @@ def test_swaps_copy_the_right_blocks_while_the_compute_stream_moves_on():
     device_k = [torch.randn(shape, device="cuda", dtype=torch.float16) for _ in range(cfg.num_layers)]
     device_v = [torch.randn(shape, device="cuda", dtype=torch.float16) for _ in range(cfg.num_layers)]
     host = HostKVCache(cfg, 64, 16, torch.float16)
-    swapper = BlockSwapper(device_k, device_v, host, torch.device("cuda"), Kernels(library.default(), 2))
+    swapper = BlockSwapper(device_k, device_v, host, torch.device("cuda"), Kernels(library.default(), 2), 48)
     out_blocks, in_blocks = list(range(1, 33)), list(range(33, 64))
 
     def busy_copy_stream():
@@ -287,6 +287,35 @@ def test_swaps_copy_the_right_blocks_while_the_compute_stream_moves_on():
     for layer in range(cfg.num_layers):
         assert torch.equal(device_k[layer][in_blocks], device_k[layer][out_blocks[:31]])
         assert torch.equal(device_v[layer][in_blocks], device_v[layer][out_blocks[:31]])
+
+
+def test_swaps_beyond_the_pinned_staging_land_earlier_swaps_first():
+    """Staging is one pinned arena: a swap that finds it full lands the swap-outs in flight (their staging comes
+    back) instead of pinning more, and every block still arrives where it belongs."""
+    cfg = ModelConfig(
+        vocab_size=64, hidden_size=1024, intermediate_size=64, num_layers=2, num_heads=8, num_kv_heads=8, head_dim=128
+    )
+    shape = (64, 16, cfg.num_kv_heads, cfg.head_dim)
+    device_k = [torch.randn(shape, device="cuda", dtype=torch.float16) for _ in range(cfg.num_layers)]
+    device_v = [torch.randn(shape, device="cuda", dtype=torch.float16) for _ in range(cfg.num_layers)]
+    host = HostKVCache(cfg, 64, 16, torch.float16)
+    swapper = BlockSwapper(device_k, device_v, host, torch.device("cuda"), Kernels(library.default(), 2), 40)
+    first, second = list(range(0, 24)), list(range(24, 48))
+    swapper.swap_out("a", first, first)
+    assert swapper.in_transit("a")
+    swapper.swap_out("b", second, second)  # 48 blocks of staging asked of 40
+    assert not swapper.in_transit("a") and swapper.in_transit("b")
+    swapper.complete(wait=True)
+    for layer in range(cfg.num_layers):
+        assert torch.equal(host.k_caches[layer][:48], device_k[layer][:48].cpu())
+        assert torch.equal(host.v_caches[layer][:48], device_v[layer][:48].cpu())
+    swapper.swap_in(first, list(range(48, 64)) + second[:8])
+    swapper.swap_in(second, list(range(0, 24)))
+    swapper.wait_swap_in()
+    torch.cuda.synchronize()
+    for layer in range(cfg.num_layers):
+        assert torch.equal(device_k[layer][:24].cpu(), host.k_caches[layer][24:48])
+        assert torch.equal(device_v[layer][48:64].cpu(), host.v_caches[layer][:16])
 
 
 @pytest.mark.parametrize("final", [1, Flags.FAILED], ids=["set", "failed"])
