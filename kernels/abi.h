@@ -7,7 +7,7 @@
 namespace neo {
 
 // Bumped whenever a signature or a number of the ABI changes; the Python binding refuses a mismatched library.
-constexpr int kAbiVersion = 3;
+constexpr int kAbiVersion = 4;
 
 enum DType : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
 
@@ -26,9 +26,12 @@ enum IterationStatus : int { kHandOffTimedOut = 12, kAbandoned = 20 };
 // A hand-off flag holding this (any negative value) means the side that should set it gave up.
 constexpr int64_t kFlagFailed = -1;
 
-// The fields of one step of neo_decode_iteration's table, each an int64 (pointers travel as int64).
+// The fields of one step of neo_decode_iteration's table, each an int64 (pointers travel as int64). q's rows are
+// kQRowStride elements apart, k/v's kKVRowStride: views of one buffer of every row's q, k and v, as the device
+// copies them down in one piece.
 enum StepField : int {
-  kReady, kDone, kQ, kKNew, kVNew, kOut, kKCache, kVCache, kSlots, kTables, kLens, kBatch, kMaxBlocks, kStepFields
+  kReady, kDone, kQ, kKNew, kVNew, kOut, kKCache, kVCache, kSlots, kTables, kLens, kBatch, kMaxBlocks,
+  kQRowStride, kKVRowStride, kStepFields
 };
 
 }  // namespace neo

@@ -268,7 +268,7 @@ struct Kernel {
     const int G = P.Hq / P.Hkv;
     const int q0 = it.h_begin * G, q1 = it.h_end * G;
     for (int qh = q0; qh < q1; ++qh) {
-      load_q(P, (size_t(it.seq) * P.Hq + qh) * D, sc.q + size_t(qh) * D);
+      load_q(P, size_t(it.seq) * P.q_row_stride + size_t(qh) * D, sc.q + size_t(qh) * D);
       for (int c = 0; c < NC; ++c) Vec::store(sc.acc + size_t(qh) * D + c * W, Vec::zero());
       sc.m[qh] = -INFINITY;
       sc.l[qh] = 0.0f;

@@ -16,7 +16,7 @@ struct F16 { uint16_t bits; };
 struct BF16 { uint16_t bits; };
 
 struct AttnParams {
-  const void* q;              // [B, Hq, D], dtype q_dtype (also the output dtype)
+  const void* q;              // [B, Hq, D] with rows q_row_stride elements apart, dtype q_dtype (also the output's)
   int q_dtype;
   const void* k_cache;        // [num_blocks, block_size, Hkv, D], dtype kv_dtype
   const void* v_cache;
@@ -26,6 +26,7 @@ struct AttnParams {
   void* out;                  // [B, Hq, D], dtype q_dtype
   int B, Hq, Hkv, D, block_size, max_blocks;
   float scale;
+  int64_t q_row_stride;       // Hq * D for a contiguous q
 };
 
 // One unit of parallel work: KV heads [h_begin, h_end) of blocks [blk_begin, blk_end) of one sequence.

@@ -264,7 +264,7 @@ NEO_API int neo_paged_attention(const void* q, int q_dtype, const void* k_cache,
                                 int Hkv, int D, int block_size, int max_blocks, float scale, int num_threads,
                                 int split_long) {
   const AttnParams P{q, q_dtype, k_cache, v_cache, kv_dtype, block_tables, context_lens, out,
-                     B, Hq, Hkv, D, block_size, max_blocks, scale};
+                     B, Hq, Hkv, D, block_size, max_blocks, scale, int64_t(Hq) * D};
   if (bad_shape(P, num_threads)) return kBadArgument;
   if (B == 0) return kOk;
   try {
@@ -274,14 +274,21 @@ NEO_API int neo_paged_attention(const void* q, int q_dtype, const void* k_cache,
   }
 }
 
-// Writes each new token's k/v rows ([Hkv, D], row_bytes each) at slot = block_id * block_size + offset.
-NEO_API int neo_append_kv(const void* k, const void* v, void* k_cache, void* v_cache, const int64_t* slots, int B,
-                          size_t row_bytes) {
+// Writes each new token's k/v rows ([Hkv, D], row_bytes each, src_stride bytes apart in k and v) at
+// slot = block_id * block_size + offset.
+static void append_rows(const void* k, const void* v, void* k_cache, void* v_cache, const int64_t* slots, int B,
+                        size_t row_bytes, size_t src_stride) {
   for (int i = 0; i < B; ++i) {
-    const size_t dst = size_t(slots[i]) * row_bytes, src = size_t(i) * row_bytes;
+    const size_t dst = size_t(slots[i]) * row_bytes, src = size_t(i) * src_stride;
     std::memcpy(static_cast<char*>(k_cache) + dst, static_cast<const char*>(k) + src, row_bytes);
     std::memcpy(static_cast<char*>(v_cache) + dst, static_cast<const char*>(v) + src, row_bytes);
   }
+}
+
+// append_rows of contiguous k and v.
+NEO_API int neo_append_kv(const void* k, const void* v, void* k_cache, void* v_cache, const int64_t* slots, int B,
+                          size_t row_bytes) {
+  append_rows(k, v, k_cache, v_cache, slots, B, row_bytes, row_bytes);
   return kOk;
 }
 
@@ -346,9 +353,11 @@ static int begin_step(const int64_t* f, size_t row_bytes, int team, double spin_
   start = std::chrono::steady_clock::now();
   if (waited != kSet) return waited == kFailed ? kAbandoned : kHandOffTimedOut;
   P.B = int(f[kBatch]);
-  neo_append_kv(ptr(kKNew), ptr(kVNew), ptr(kKCache), ptr(kVCache), static_cast<const int64_t*>(ptr(kSlots)), P.B,
-                row_bytes);
+  const size_t kv_stride = size_t(f[kKVRowStride]) * (row_bytes / (size_t(P.Hkv) * P.D));
+  append_rows(ptr(kKNew), ptr(kVNew), ptr(kKCache), ptr(kVCache), static_cast<const int64_t*>(ptr(kSlots)), P.B,
+              row_bytes, kv_stride);
   P.q = ptr(kQ), P.k_cache = ptr(kKCache), P.v_cache = ptr(kVCache), P.out = ptr(kOut);
+  P.q_row_stride = f[kQRowStride];
   P.block_tables = static_cast<const int32_t*>(ptr(kTables));
   P.context_lens = static_cast<const int32_t*>(ptr(kLens));
   P.max_blocks = int(f[kMaxBlocks]);
@@ -373,7 +382,7 @@ NEO_API int neo_decode_iteration(const int64_t* steps, int num_steps, int q_dtyp
   const size_t row_bytes = size_t(Hkv) * D * (kv_dtype == kF32 ? 4 : 2);
   Job job;
   AttnParams P{nullptr, q_dtype, nullptr, nullptr, kv_dtype, nullptr, nullptr, nullptr, 0, Hq, Hkv, D, block_size, 0,
-               scale};
+               scale, int64_t(Hq) * D};
   std::atomic<int> published{-1};  // the step whose job the team may run
   std::atomic<int> finished{0};    // threads through the current step's items
   std::atomic<int> next_item{0};

@@ -7,7 +7,7 @@ from enum import IntEnum
 
 import torch
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 
 class DType(IntEnum):
@@ -71,6 +71,8 @@ class StepField(IntEnum):
     LENS = 10
     BATCH = 11
     MAX_BLOCKS = 12
+    Q_ROW_STRIDE = 13
+    KV_ROW_STRIDE = 14
 
 
 # The head sizes kernels/attention_impl.h instantiates its kernel for.

@@ -194,6 +194,8 @@ def _step_table(
             column[:, field] = tensor.data_ptr()
         column[:, StepField.BATCH] = shape.batch
         column[:, StepField.MAX_BLOCKS] = shape.max_blocks
+        column[:, StepField.Q_ROW_STRIDE] = lane.q.stride(0)
+        column[:, StepField.KV_ROW_STRIDE] = lane.k.stride(0)
     return table
 
 

@@ -24,8 +24,11 @@ class AttentionShape:
     max_blocks: int
 
 
-def check_tensor(name: str, t: object, ndim: int, dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
-    """`t` is a contiguous host tensor of `ndim` dimensions and one of `dtypes`."""
+def check_tensor(
+    name: str, t: object, ndim: int, dtypes: tuple[torch.dtype, ...], strided_rows: bool = False
+) -> torch.Tensor:
+    """`t` is a contiguous host tensor of `ndim` dimensions and one of `dtypes`; with `strided_rows`, contiguous
+    within each row of its first dimension, the rows any distance apart beyond that."""
     if not isinstance(t, torch.Tensor):
         raise KernelInputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.device.type != "cpu":
@@ -34,7 +37,10 @@ def check_tensor(name: str, t: object, ndim: int, dtypes: tuple[torch.dtype, ...
         raise KernelInputError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
     if t.dtype not in dtypes:
         raise KernelInputError(f"{name} has dtype {t.dtype}; expected one of {[str(d) for d in dtypes]}")
-    if not t.is_contiguous():
+    if strided_rows and t.dim() > 1 and t.shape[0] > 1:
+        if not (t[0].is_contiguous() and t.stride(0) >= t[0].numel()):
+            raise KernelInputError(f"{name} must be contiguous within each row; got strides {t.stride()}")
+    elif not t.is_contiguous():
         raise KernelInputError(f"{name} must be contiguous (call .contiguous()); got strides {t.stride()}")
     return t
 
@@ -64,13 +70,21 @@ def _check_caches(k_cache: object, v_cache: object) -> tuple[int, int, int, int]
 
 
 def check_attention(
-    q: object, k_cache: object, v_cache: object, block_tables: object, context_lens: object, scale: object, out: object
+    q: object,
+    k_cache: object,
+    v_cache: object,
+    block_tables: object,
+    context_lens: object,
+    scale: object,
+    out: object,
+    strided_rows: bool = False,
 ) -> AttentionShape:
-    """The arguments of `Kernels.paged_decode_attention`, which documents them."""
+    """The arguments of `Kernels.paged_decode_attention`, which documents them; `strided_rows`: q's rows may lie
+    apart (`neo_decode_iteration` takes their stride)."""
     num_blocks, block_size, hkv, d = _check_caches(k_cache, v_cache)
     if d not in SUPPORTED_HEAD_DIMS:
         raise KernelInputError(f"head_dim {d} is not supported; supported: {SUPPORTED_HEAD_DIMS}")
-    check_tensor("q", q, 3, (k_cache.dtype, torch.float32))
+    check_tensor("q", q, 3, (k_cache.dtype, torch.float32), strided_rows)
     b, hq, _ = q.shape
     _check_shape("q", q, (b, hq, d))
     if hq == 0 or hq % hkv:
@@ -110,14 +124,19 @@ def _check_block_tables(
         )
 
 
-def check_append(k: object, v: object, k_cache: object, v_cache: object, slot_mapping: object) -> None:
-    """The arguments of `Kernels.append_kv`, which documents them."""
+def check_append(
+    k: object, v: object, k_cache: object, v_cache: object, slot_mapping: object, strided_rows: bool = False
+) -> None:
+    """The arguments of `Kernels.append_kv`, which documents them; `strided_rows`: k's and v's rows may lie apart,
+    the same distance in both (`neo_decode_iteration` takes it)."""
     num_blocks, block_size, hkv, d = _check_caches(k_cache, v_cache)
-    check_tensor("k", k, 3, (k_cache.dtype,))
+    check_tensor("k", k, 3, (k_cache.dtype,), strided_rows)
     b = k.shape[0]
     _check_shape("k", k, (b, hkv, d))
-    check_tensor("v", v, 3, (k_cache.dtype,))
+    check_tensor("v", v, 3, (k_cache.dtype,), strided_rows)
     _check_shape("v", v, (b, hkv, d))
+    if b > 1 and k.stride(0) != v.stride(0):
+        raise KernelInputError(f"k's rows are {k.stride(0)} elements apart and v's {v.stride(0)}: they must match")
     check_tensor("slot_mapping", slot_mapping, 1, (torch.int64,))
     _check_shape("slot_mapping", slot_mapping, (b,))
     if b == 0:
@@ -169,9 +188,11 @@ def check_iteration(
     shapes = []
     for lane in lanes:
         shapes.append(
-            check_attention(lane.q, k_caches[0], v_caches[0], lane.block_tables, lane.context_lens, scale, lane.out)
+            check_attention(
+                lane.q, k_caches[0], v_caches[0], lane.block_tables, lane.context_lens, scale, lane.out, True
+            )
         )
-        check_append(lane.k, lane.v, k_caches[0], v_caches[0], lane.slots)
+        check_append(lane.k, lane.v, k_caches[0], v_caches[0], lane.slots, True)
         if lane.ready.values.size < num_layers:
             raise KernelInputError(f"a lane has {lane.ready.values.size} ready flags for {num_layers} layers")
         if lane.q.dtype != lanes[0].q.dtype or shapes[-1].q_heads != shapes[0].q_heads:

@@ -172,8 +172,8 @@ def capture(fn, pool) -> tuple[torch.cuda.CUDAGraph, object]:
 class LaneGraphs:
     """One pipeline lane's decode-only layer segments (segments.py), captured per bucket and per `with_host`
     (whether the lane carries host rows: their q/k/v go to pinned buffers and their attention comes back from one).
-    Tensors that live across segments are static: `attn`, `residual`, `final` on the device, `host_q/k/v/out`
-    pinned on the host.
+    Tensors that live across segments are static: `attn`, `residual`, `final` on the device, `host_qkv` (packed, as
+    `split_qkv` reads it) and `host_out` pinned on the host.
     """
 
     def __init__(self, model, inputs: DecodeInputs, host_variants: tuple[bool, ...], gemms: GemmLibraries) -> None:
@@ -185,10 +185,9 @@ class LaneGraphs:
         self.residual = torch.zeros(n, cfg.hidden_size, dtype=dtype, device=device)
         self.final = torch.zeros(n, cfg.hidden_size, dtype=dtype, device=device)
         self.host_mask = torch.zeros(n, 1, 1, dtype=torch.bool, device=device)
-        self.host_q = torch.zeros(n, cfg.num_heads, cfg.head_dim, dtype=dtype, pin_memory=True)
-        self.host_k = torch.zeros(n, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, pin_memory=True)
-        self.host_v = torch.zeros(self.host_k.shape, dtype=dtype, pin_memory=True)
-        self.host_out = torch.zeros(self.host_q.shape, dtype=dtype, pin_memory=True)
+        qkv_size = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+        self.host_qkv = torch.zeros(n, qkv_size, dtype=dtype, pin_memory=True)
+        self.host_out = torch.zeros(n, cfg.num_heads, cfg.head_dim, dtype=dtype, pin_memory=True)
         self.ready = Flags(len(model.layers), HAND_OFF_SPIN_S, pin=True)
         self.one = torch.ones(1, dtype=torch.int64, device=device)
         self.graphs: dict[tuple[int, bool, int], torch.cuda.CUDAGraph] = {}
@@ -223,11 +222,7 @@ class _BucketSegments(LayerSegments):
 
     def __init__(self, graphs: LaneGraphs, bs: int, with_host: bool) -> None:
         g, inputs = graphs, graphs.inputs
-        host = (
-            HostHandOff(g.host_q[:bs], g.host_k[:bs], g.host_v[:bs], g.host_out[:bs], 0, g.ready, g.one)
-            if with_host
-            else None
-        )
+        host = HostHandOff(g.host_qkv[:bs], g.host_out[:bs], 0, g.ready, g.one) if with_host else None
         super().__init__(g.model, inputs.input_ids[:bs], inputs.positions[:bs], inputs.meta(bs), host)
         self.graphs, self.bs = graphs, bs
 

@@ -62,11 +62,11 @@ class EagerLane(LayerSegments):
         cfg, dtype = model.rank_config, model.embed_tokens.weight.dtype
         pin = self.device.type == "cuda"
         rows = sub.host_batch.size
-        q, out = (torch.empty(rows, cfg.num_heads, cfg.head_dim, dtype=dtype, pin_memory=pin) for _ in range(2))
-        k, v = (torch.empty(rows, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, pin_memory=pin) for _ in range(2))
+        qkv = torch.empty(rows, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, dtype=dtype, pin_memory=pin)
+        out = torch.empty(rows, cfg.num_heads, cfg.head_dim, dtype=dtype, pin_memory=pin)
         ready = Flags(len(model.layers), spin_seconds(self.device), pin=pin)
         return HostHandOff(
-            q, k, v, out, sub.meta.num_device_tokens, ready, torch.ones(1, dtype=torch.int64, device=self.device)
+            qkv, out, sub.meta.num_device_tokens, ready, torch.ones(1, dtype=torch.int64, device=self.device)
         )
 
     @property
@@ -86,7 +86,8 @@ class EagerLane(LayerSegments):
 
     def host_lane(self) -> IterationLane:
         b, h = self.sub.host_batch, self.host
-        return IterationLane(h.q, h.k, h.v, h.out, b.block_tables, b.context_lens, b.slots, h.ready)
+        q, k, v = self.model.layers[0].split_qkv(h.qkv)
+        return IterationLane(q, k, v, h.out, b.block_tables, b.context_lens, b.slots, h.ready)
 
     def final(self) -> torch.Tensor:
         return self.hidden
@@ -109,16 +110,8 @@ class GraphLane:
     def host_lane(self) -> IterationLane:
         rows = slice(self.num_device, self.rows)
         g, b = self.graphs, self.sub.host_batch
-        return IterationLane(
-            g.host_q[rows],
-            g.host_k[rows],
-            g.host_v[rows],
-            g.host_out[rows],
-            b.block_tables,
-            b.context_lens,
-            b.slots,
-            g.ready,
-        )
+        q, k, v = g.model.layers[0].split_qkv(g.host_qkv[rows])
+        return IterationLane(q, k, v, g.host_out[rows], b.block_tables, b.context_lens, b.slots, g.ready)
 
     def final(self) -> torch.Tensor:
         return self.graphs.final[: self.rows]

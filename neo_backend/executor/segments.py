@@ -22,20 +22,19 @@ if TYPE_CHECKING:
 
 @dataclass
 class HostHandOff:
-    """Host buffers of a lane's host rows: each layer copies rows `first_row:` of its q/k/v into `q`/`k`/`v` and
-    then sets the layer's `ready` flag; the CPU attention writes `out`."""
+    """Host buffers of a lane's host rows: each layer copies rows `first_row:` of its packed q/k/v (`split_qkv`)
+    into `qkv` in one piece and then sets the layer's `ready` flag; the CPU attention reads q/k/v as views of
+    `qkv` and writes `out`. One copy, where copying q, k and v apart took three gathers into contiguous tensors
+    and three copies, ~45 us a layer at 8 SMs before the device's own attention could start (bench/RESULTS.md)."""
 
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
+    qkv: torch.Tensor
     out: torch.Tensor
     first_row: int
     ready: Flags
     one: torch.Tensor  # the value `ready.set_in_order` copies in, on the lane's device
 
-    def send(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        for dst, src in ((self.q, q), (self.k, k), (self.v, v)):
-            dst.copy_(src[self.first_row :], non_blocking=True)
+    def send(self, layer_idx: int, qkv: torch.Tensor) -> None:
+        self.qkv.copy_(qkv[self.first_row :], non_blocking=True)
         self.ready.set_in_order(layer_idx, self.one)
 
 
@@ -59,10 +58,10 @@ class LayerSegments(ABC):
             self.finish(model.norm(hidden, residual)[0])
             return
         layer = model.layers[layer_idx]
-        q, k, v, residual = layer.attention_inputs(self.positions, hidden, residual, self.meta)
+        qkv, residual = layer.attention_inputs(self.positions, hidden, residual, self.meta)
         if self.host is not None:  # first: the host's attention of this layer then runs beside the device's
-            self.host.send(layer_idx, q, k, v)
-        self.save(layer.attn(q, k, v, self.meta), residual)
+            self.host.send(layer_idx, qkv)
+        self.save(layer.attn(*layer.split_qkv(qkv), self.meta), residual)
 
     @abstractmethod
     def saved(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,6 +18,17 @@ from . import fused, paged_decode
 from .rotary import RotaryEmbedding
 
 
+def split_qkv(
+    qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [T, num_heads, D], k and v [T, num_kv_heads, D]: views of a packed [T, (num_heads + 2 num_kv_heads) * D]
+    tensor holding each token's q, k and v side by side, as the fused qkv projection leaves them."""
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    rows = qkv.shape[0]
+    return q.view(rows, num_heads, head_dim), k.view(rows, num_kv_heads, head_dim), v.view(rows, num_kv_heads, head_dim)
+
+
 @dataclass
 class PrefillChunk:
     token_start: int  # offset of the chunk in the step's flat token list

@@ -13,7 +13,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..errors import ModelLoadError
 from ..layers.activation import silu_and_mul
-from ..layers.attention import AttentionMetadata, PagedAttention
+from ..layers.attention import AttentionMetadata, PagedAttention, split_qkv
 from ..layers.blas import Linear
 from ..layers.norm import RMSNorm
 from ..layers.parallel import TensorParallel, VocabParallelEmbedding
@@ -53,19 +53,20 @@ class DecoderLayer(nn.Module):
 
     def attention_inputs(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
-    ):
-        """Rotated q/k and v of the layer's attention, the device rows' k/v already in the pool."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's packed q/k/v (`split_qkv`), q and k rotated and the device rows' k/v already in the pool,
+        and the residual."""
         if residual is None:
             residual = hidden
             x = self.input_layernorm(hidden)
         else:
             x, residual = self.input_layernorm(hidden, residual)
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        self.attn.store_rotated(self.rotary, positions, q, k, v, meta.slot_mapping)
-        return q, k, v, residual
+        qkv = self.qkv_proj(x)
+        self.attn.store_rotated(self.rotary, positions, *self.split_qkv(qkv), meta.slot_mapping)
+        return qkv, residual
+
+    def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return split_qkv(qkv, self.num_heads, self.num_kv_heads, self.head_dim)
 
     def attention_outputs(self, attn_out: torch.Tensor, residual: torch.Tensor):
         attn_out = self.tp.all_reduce(self.o_proj(attn_out.flatten(1)))
@@ -73,8 +74,8 @@ class DecoderLayer(nn.Module):
         return self.tp.all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(hidden)))), residual
 
     def forward(self, positions, hidden, residual, meta: AttentionMetadata):
-        q, k, v, residual = self.attention_inputs(positions, hidden, residual, meta)
-        return self.attention_outputs(self.attn(q, k, v, meta), residual)
+        qkv, residual = self.attention_inputs(positions, hidden, residual, meta)
+        return self.attention_outputs(self.attn(*self.split_qkv(qkv), meta), residual)
 
 
 class LlamaForCausalLM(nn.Module):

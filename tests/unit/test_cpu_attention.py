@@ -7,6 +7,7 @@ import os
 import shutil
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from neo_backend.cpu.handoff import Flags, IterationLane
 from neo_backend.cpu.ops import Kernels
 from neo_backend.errors import KernelInputError
 from neo_backend.executor.host_attention import attention_threads
+from neo_backend.layers.attention import split_qkv
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -429,6 +431,26 @@ def test_decode_iteration_equals_appending_and_attending_layer_by_layer():
     assert all(torch.equal(a, b) for a, b in zip(k_caches + v_caches, expected_k + expected_v))
 
 
+def test_decode_iteration_reads_q_k_v_as_views_of_one_packed_buffer():
+    """The pipeline copies each host row's q, k and v down in one piece (`split_qkv` views of it): the same rows
+    packed give the same attention and the same appended caches as contiguous tensors."""
+    k_caches, v_caches, lanes = iteration_case()
+    packed_k, packed_v = [k.clone() for k in k_caches], [v.clone() for v in v_caches]
+    packed_lanes = []
+    for lane in lanes:
+        qkv = torch.cat([lane.q.flatten(1), lane.k.flatten(1), lane.v.flatten(1)], dim=1)
+        q, k, v = split_qkv(qkv, 8, 2, 64)
+        assert len(q) == 1 or q.stride(0) == k.stride(0) == qkv.shape[1]
+        out = torch.full_like(lane.out, float("nan"))
+        packed_lanes.append(IterationLane(q, k, v, out, lane.block_tables, lane.context_lens, lane.slots, lane.ready))
+        lane.ready.values[:] = 1
+    for caches, iteration_lanes in (((k_caches, v_caches), lanes), ((packed_k, packed_v), packed_lanes)):
+        kernels().decode_iteration(*caches, iteration_lanes, Flags(6, 0.0), 0.125, timeout_s=30)
+    for lane, packed in zip(lanes, packed_lanes):
+        assert torch.equal(lane.out, packed.out)
+    assert all(torch.equal(a, b) for a, b in zip(k_caches + v_caches, packed_k + packed_v))
+
+
 def test_decode_iteration_stops_where_the_launching_side_gave_up():
     k_caches, v_caches, lanes = iteration_case()
     lanes[0].ready.values[:] = 1
@@ -459,6 +481,22 @@ def test_decode_iteration_bad_input_raises_before_c(no_c_calls):
         ),
         "lanes with different q dtypes": lambda: iteration(k_caches, v_caches, [lanes[0], fp32_lane], done, 0.125, 30),
         "too few done flags": lambda: iteration(k_caches, v_caches, lanes, too_few, 0.125, 30),
+        "k's and v's rows apart by different strides": lambda: iteration(
+            k_caches,
+            v_caches,
+            [replace(lanes[0], v=torch.cat([lanes[0].v, lanes[0].v], dim=1)[:, :2])],
+            done,
+            0.125,
+            30,
+        ),
+        "q not contiguous within a row": lambda: iteration(
+            k_caches,
+            v_caches,
+            [replace(lanes[0], q=lanes[0].q.transpose(1, 2).contiguous().transpose(1, 2))],
+            done,
+            0.125,
+            30,
+        ),
     }
     for call in calls.values():
         with pytest.raises(KernelInputError):
