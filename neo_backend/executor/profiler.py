@@ -15,6 +15,7 @@ from ..cpu.handoff import Flags, IterationLane
 from ..layers.attention import AttentionMetadata, prefill_metadata
 from ..layers.paged_decode import decode_attention
 from ..timing import median_seconds
+from .pipeline import spin_seconds
 
 log = logging.getLogger("neo_backend")
 
@@ -125,11 +126,13 @@ def _cpu_attention_fit(runner) -> tuple[float, float, float]:
     """Host attention of one iteration, fitted by requests and context tokens: append + attention in every layer in
     the one library call the pipeline makes (`HostAttention.run_iteration`), every layer's inputs ready. Each
     layer reads its own cache, so the reads come from DRAM as in serving; timing one layer over and over would
-    measure the last-level cache (300 MiB on the H200's host)."""
+    measure the last-level cache (300 MiB on the H200's host). The team waits between layers as in serving
+    (`spin_seconds`): sleeping there instead cost each layer a wake-up, and the fit up to 12 ms an iteration, enough
+    to keep the scheduler from ever offloading."""
     cfg, bs = runner.rank_cfg, runner.block_size
     host_cache, host = runner.host_cache, runner.host_attention
     dtype = host_cache.k_caches[0].dtype
-    ready, done = Flags(cfg.num_layers, 0.0), Flags(cfg.num_layers, 0.0)
+    ready, done = Flags(cfg.num_layers, 0.0), Flags(cfg.num_layers, spin_seconds(runner.device))
     ready.values[:] = 1
     rows, times = [], []
     for batch, context in ((1, 256), (4, 1024), (8, 1024), (16, 512), (32, 1024)):
