@@ -84,7 +84,8 @@ class CapturingHostAttention(HostAttention):
                     )
                 )
             batch = HostDecodeBatch(lane.block_tables, lane.context_lens, lane.slots)
-            self.run(layer, batch, lane.q, lane.k, lane.v, lane.out)
+            q, k, v = (t.contiguous() for t in (lane.q, lane.k, lane.v))  # views of the packed hand-off buffer
+            self.run(layer, batch, q, k, v, lane.out)
             done.set(step)
 
 

@@ -24,8 +24,9 @@ if TYPE_CHECKING:
 class HostHandOff:
     """Host buffers of a lane's host rows: each layer copies rows `first_row:` of its packed q/k/v (`split_qkv`)
     into `qkv` in one piece and then sets the layer's `ready` flag; the CPU attention reads q/k/v as views of
-    `qkv` and writes `out`. One copy, where copying q, k and v apart took three gathers into contiguous tensors
-    and three copies, ~45 us a layer at 8 SMs before the device's own attention could start (bench/RESULTS.md)."""
+    `qkv` and writes `out`. One copy: copying q, k and v apart took three gathers into contiguous tensors and three
+    copies, and the device's own attention started 56 us after the rotary kernel instead of 22 at 8 SMs
+    (bench/RESULTS.md)."""
 
     qkv: torch.Tensor
     out: torch.Tensor
