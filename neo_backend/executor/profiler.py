@@ -149,4 +149,7 @@ def _cpu_attention_fit(runner) -> tuple[float, float, float]:
 
         rows.append((batch, batch * context))
         times.append(median_seconds(iteration, 3, warmup=1))
+        log.info(
+            "host decode attention: %d requests x %d tokens, %.2f ms an iteration", batch, context, 1e3 * times[-1]
+        )
     return fit_plane(rows, times)
