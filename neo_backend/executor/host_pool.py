@@ -28,12 +28,7 @@ class HostKVCache:
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype) -> None:
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         nbytes = 2 * cfg.num_layers * num_blocks * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
-        available = host_available_bytes()
-        if nbytes > 0.9 * available:
-            raise ConfigError(
-                f"cpu_kv_cache_gb asks for {nbytes / 2**30:.1f} GiB of host memory but only "
-                f"{available / 2**30:.1f} GiB is available; lower cpu_kv_cache_gb"
-            )
+        check_host_memory(nbytes, "cpu_kv_cache_gb", "lower cpu_kv_cache_gb")
         start = time.monotonic()
         log.info("host KV pool: allocating and zeroing %.2f GiB", nbytes / 2**30)
         # Zeroed now, so its pages are in place before serving: a block's first write would otherwise fault them in
@@ -49,6 +44,16 @@ class HostKVCache:
             nbytes / 2**30,
             transparent_huge_page_mode(),
             time.monotonic() - start,
+        )
+
+
+def check_host_memory(nbytes: int, what: str, remedy: str) -> None:
+    """ConfigError at start-up where `what` asks for more than 90% of the host memory available."""
+    available = host_available_bytes()
+    if nbytes > 0.9 * available:
+        raise ConfigError(
+            f"{what} asks for {nbytes / 2**30:.1f} GiB of host memory but only {available / 2**30:.1f} GiB is "
+            f"available; {remedy}"
         )
 
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..cpu.ops import Kernels
-from ..errors import ConfigError, SchedulerError
-from .host_pool import HostKVCache, host_available_bytes
+from ..errors import SchedulerError
+from .host_pool import HostKVCache, check_host_memory
 
 log = logging.getLogger("neo_backend")
 
@@ -44,12 +44,9 @@ class StagingArena:
     were released with has completed (a swap-in's copy up)."""
 
     def __init__(self, nbytes: int) -> None:
-        available = host_available_bytes()
-        if nbytes > 0.9 * available:
-            raise ConfigError(
-                f"swap staging needs {nbytes / 2**30:.1f} GiB of pinned host memory (two requests of max_model_len) "
-                f"but only {available / 2**30:.1f} GiB is available; lower max_model_len or cpu_kv_cache_gb"
-            )
+        check_host_memory(
+            nbytes, "swap staging (pinned, two requests of max_model_len)", "lower max_model_len or cpu_kv_cache_gb"
+        )
         start = time.monotonic()
         self.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         log.info("swap staging: %.2f GiB pinned in %.1fs", nbytes / 2**30, time.monotonic() - start)

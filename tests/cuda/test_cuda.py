@@ -254,17 +254,29 @@ def test_decode_graph_gemms_run_on_the_library_chosen_per_shape(tiny_model_dirs)
     torch.testing.assert_close(chosen, model.layers[0].down_proj(x), rtol=2e-2, atol=2e-2)
 
 
+def _swap_pools(num_layers: int, staging_blocks: int) -> tuple[list[torch.Tensor], list[torch.Tensor], BlockSwapper]:
+    """Random device K/V pools of 64 blocks per layer, a host pool of 64 and a swapper between them."""
+    cfg = ModelConfig(
+        vocab_size=64,
+        hidden_size=1024,
+        intermediate_size=64,
+        num_layers=num_layers,
+        num_heads=8,
+        num_kv_heads=8,
+        head_dim=128,
+    )
+    shape = (64, 16, cfg.num_kv_heads, cfg.head_dim)
+    device_k = [torch.randn(shape, device="cuda", dtype=torch.float16) for _ in range(num_layers)]
+    device_v = [torch.randn(shape, device="cuda", dtype=torch.float16) for _ in range(num_layers)]
+    host = HostKVCache(cfg, 64, 16, torch.float16)
+    kernels = Kernels(library.default(), 2)
+    return device_k, device_v, BlockSwapper(device_k, device_v, host, torch.device("cuda"), kernels, staging_blocks)
+
+
 def test_swaps_copy_the_right_blocks_while_the_compute_stream_moves_on():
     """A swap's copies run on the copy stream, behind earlier swaps; the compute stream meanwhile allocates and
     fills tensors of the swap's index size, which must not land in the swap's block ids."""
-    cfg = ModelConfig(
-        vocab_size=64, hidden_size=1024, intermediate_size=64, num_layers=4, num_heads=8, num_kv_heads=8, head_dim=128
-    )
-    shape = (64, 16, cfg.num_kv_heads, cfg.head_dim)
-    device_k = [torch.randn(shape, device="cuda", dtype=torch.float16) for _ in range(cfg.num_layers)]
-    device_v = [torch.randn(shape, device="cuda", dtype=torch.float16) for _ in range(cfg.num_layers)]
-    host = HostKVCache(cfg, 64, 16, torch.float16)
-    swapper = BlockSwapper(device_k, device_v, host, torch.device("cuda"), Kernels(library.default(), 2), 48)
+    device_k, device_v, swapper = _swap_pools(num_layers=4, staging_blocks=48)
     out_blocks, in_blocks = list(range(1, 33)), list(range(33, 64))
 
     def busy_copy_stream():
@@ -275,7 +287,7 @@ def test_swaps_copy_the_right_blocks_while_the_compute_stream_moves_on():
     swapper.swap_out("a", out_blocks, out_blocks)
     decoys = [torch.zeros(len(out_blocks), dtype=torch.long, device="cuda") for _ in range(8)]
     swapper.complete(wait=True)
-    for layer in range(cfg.num_layers):
+    for layer in range(4):
         assert torch.equal(swapper.host.k_caches[layer][out_blocks], device_k[layer][out_blocks].cpu())
         assert torch.equal(swapper.host.v_caches[layer][out_blocks], device_v[layer][out_blocks].cpu())
 
@@ -284,7 +296,7 @@ def test_swaps_copy_the_right_blocks_while_the_compute_stream_moves_on():
     decoys += [torch.zeros(len(in_blocks), dtype=torch.long, device="cuda") for _ in range(8)]
     swapper.wait_swap_in()
     torch.cuda.synchronize()
-    for layer in range(cfg.num_layers):
+    for layer in range(4):
         assert torch.equal(device_k[layer][in_blocks], device_k[layer][out_blocks[:31]])
         assert torch.equal(device_v[layer][in_blocks], device_v[layer][out_blocks[:31]])
 
@@ -292,28 +304,22 @@ def test_swaps_copy_the_right_blocks_while_the_compute_stream_moves_on():
 def test_swaps_beyond_the_pinned_staging_land_earlier_swaps_first():
     """Staging is one pinned arena: a swap that finds it full lands the swap-outs in flight (their staging comes
     back) instead of pinning more, and every block still arrives where it belongs."""
-    cfg = ModelConfig(
-        vocab_size=64, hidden_size=1024, intermediate_size=64, num_layers=2, num_heads=8, num_kv_heads=8, head_dim=128
-    )
-    shape = (64, 16, cfg.num_kv_heads, cfg.head_dim)
-    device_k = [torch.randn(shape, device="cuda", dtype=torch.float16) for _ in range(cfg.num_layers)]
-    device_v = [torch.randn(shape, device="cuda", dtype=torch.float16) for _ in range(cfg.num_layers)]
-    host = HostKVCache(cfg, 64, 16, torch.float16)
-    swapper = BlockSwapper(device_k, device_v, host, torch.device("cuda"), Kernels(library.default(), 2), 40)
+    device_k, device_v, swapper = _swap_pools(num_layers=2, staging_blocks=40)
+    host = swapper.host
     first, second = list(range(0, 24)), list(range(24, 48))
     swapper.swap_out("a", first, first)
     assert swapper.in_transit("a")
     swapper.swap_out("b", second, second)  # 48 blocks of staging asked of 40
     assert not swapper.in_transit("a") and swapper.in_transit("b")
     swapper.complete(wait=True)
-    for layer in range(cfg.num_layers):
+    for layer in range(2):
         assert torch.equal(host.k_caches[layer][:48], device_k[layer][:48].cpu())
         assert torch.equal(host.v_caches[layer][:48], device_v[layer][:48].cpu())
     swapper.swap_in(first, list(range(48, 64)) + second[:8])
     swapper.swap_in(second, list(range(0, 24)))
     swapper.wait_swap_in()
     torch.cuda.synchronize()
-    for layer in range(cfg.num_layers):
+    for layer in range(2):
         assert torch.equal(device_k[layer][:24].cpu(), host.k_caches[layer][24:48])
         assert torch.equal(device_v[layer][48:64].cpu(), host.v_caches[layer][:16])
 
