@@ -41,14 +41,14 @@ class StagingArena:
     Pinned on demand, as torch's caching host allocator does whenever no cached buffer of a size class is free,
     staging costs its pinning (~1 GB/s) inside the iteration that swaps: the first swaps of each new size stalled
     serving by up to ~0.5 s. Regions are handed out first-fit and come back when released, or once the event they
-    were released with has completed (a swap-in's copy up)."""
+    were released with has completed (a swap-in's copy up). `pin` is False only where there is no CUDA (tests)."""
 
-    def __init__(self, nbytes: int) -> None:
+    def __init__(self, nbytes: int, pin: bool = True) -> None:
         check_host_memory(
             nbytes, "swap staging (pinned, two requests of max_model_len)", "lower max_model_len or cpu_kv_cache_gb"
         )
         start = time.monotonic()
-        self.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        self.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
         log.info("swap staging: %.2f GiB pinned in %.1fs", nbytes / 2**30, time.monotonic() - start)
         self._regions: list[_Region] = []  # by offset
 

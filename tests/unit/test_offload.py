@@ -21,6 +21,7 @@ from engine_helpers import (
 from neo_backend import EngineConfig, LLMEngine
 from neo_backend.cpu.ops import Kernels
 from neo_backend.executor.host_pool import HUGE_PAGE_BYTES, huge_page_tensor
+from neo_backend.executor.swapper import STAGING_ALIGN, StagingArena
 from neo_backend.streaming import StreamingEngine
 
 
@@ -131,6 +132,26 @@ class _CopyEvent:
 
     def synchronize(self) -> None:
         self.landed = True
+
+
+def test_the_swap_staging_hands_out_ranges_first_fit_and_takes_them_back_once_their_copies_landed():
+    page = STAGING_ALIGN
+    arena = StagingArena(8 * page, pin=False)
+
+    def offset(t: torch.Tensor) -> int:
+        return (t.data_ptr() - arena.buffer.data_ptr()) // page
+
+    first, second = arena.take((2, page // 4), torch.float32), arena.take((3 * page - 5,), torch.uint8)
+    assert first.shape == (2, page // 4) and first.dtype == torch.float32
+    assert (offset(first), offset(second)) == (0, 2)
+    assert arena.take((4 * page,), torch.uint8) is None, "3 pages left"
+    arena.release(first)
+    assert offset(arena.take((page,), torch.uint8)) == 0, "first fit"
+    copy_up = _CopyEvent()
+    arena.release(second, after=copy_up)
+    assert arena.take((4 * page,), torch.uint8) is None, "the copy up still reads it"
+    copy_up.landed = True
+    assert offset(arena.take((4 * page,), torch.uint8)) == 1
 
 
 def test_the_runner_reports_the_swap_outs_that_landed_and_only_those_decode(tiny_model_dirs, monkeypatch):
