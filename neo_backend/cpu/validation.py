@@ -189,10 +189,17 @@ def check_iteration(
     for lane in lanes:
         shapes.append(
             check_attention(
-                lane.q, k_caches[0], v_caches[0], lane.block_tables, lane.context_lens, scale, lane.out, True
+                lane.q,
+                k_caches[0],
+                v_caches[0],
+                lane.block_tables,
+                lane.context_lens,
+                scale,
+                lane.out,
+                strided_rows=True,
             )
         )
-        check_append(lane.k, lane.v, k_caches[0], v_caches[0], lane.slots, True)
+        check_append(lane.k, lane.v, k_caches[0], v_caches[0], lane.slots, strided_rows=True)
         if lane.ready.values.size < num_layers:
             raise KernelInputError(f"a lane has {lane.ready.values.size} ready flags for {num_layers} layers")
         if lane.q.dtype != lanes[0].q.dtype or shapes[-1].q_heads != shapes[0].q_heads:
