@@ -126,7 +126,7 @@ def test_threads_and_split_agree():
     case = make_case(5, lens, 16, 16, 4, 128, torch.float16)
     whole = run(*case, threads=1, split_long=False)
     split = run(*case, threads=1, split_long=True)
-    for threads in (2, 3, 4):
+    for threads in (2, 3, 4, 15):
         # Work items and merge order do not depend on the thread count: bitwise the same results.
         assert torch.equal(run(*case, threads=threads, split_long=False), whole)
         assert torch.equal(run(*case, threads=threads, split_long=True), split)
@@ -136,6 +136,17 @@ def test_threads_and_split_agree():
     assert diff <= 1e-6 and rel_err(split, whole.double()) <= 1e-5
     ref = reference(*case)
     assert rel_err(whole, ref) <= 1e-5 and rel_err(split, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("lens", [[1100], [1100, 700]], ids=str)
+def test_how_finely_the_team_splits_heads_changes_no_bit(lens):
+    """A few MHA requests: the team's size sets how finely the KV heads split (from whole segments with one
+    thread to one KV head an item with 15 or 16), never the results."""
+    case = make_case(7, lens, 16, 16, 16, 64, torch.bfloat16)
+    alone = run(*case, threads=1)
+    for threads in (2, 15, 16):
+        assert torch.equal(run(*case, threads=threads), alone), threads
+    assert rel_err(alone, reference(*case)) <= TOL[torch.bfloat16]
 
 
 def test_single_long_sequence_split_across_threads():
