@@ -10,7 +10,7 @@ binding's ABI.
 
 `--iteration B,CONTEXT,HQ,HKV,DTYPE` (repeatable) times whole iterations as the engine runs them instead: one
 `decode_iteration` call appending to and attending over `--layers` layers, each layer its own cache, the
-caches together >= 8x the LLC and each pair on fresh random block tables, so the KV comes from DRAM.
+caches together >= 8x the LLC and every call on fresh random block tables, so the KV comes from DRAM.
 Dependencies: torch, git, tar and the standard library.
 """
 
