@@ -95,6 +95,11 @@ struct Plan {
 // segment) costs little, short enough to balance a handful of long requests over 16 threads (bench/RESULTS.md).
 constexpr long kPartTokens = 512;
 
+// The KV heads are split until there are 2 items per thread, but past 1.5 items per thread not into runs of
+// less than this many bytes of each token's row: a longer run read in one pass pays more than the finer
+// balance (bench/RESULTS.md, "CPU attention kernel").
+constexpr long kMinHeadRunBytes = 2048;
+
 Plan make_plan(const AttnParams& P, int threads, bool split_long) {
   Plan plan;
   std::vector<int> nblocks(P.B);
@@ -115,9 +120,14 @@ Plan make_plan(const AttnParams& P, int threads, bool split_long) {
     for (int i = 0; i < k; ++i)
       ranges.push_back({b, int(long(nblocks[b]) * i / k), int(long(nblocks[b]) * (i + 1) / k), plan.num_segments++});
   }
+  const long kv_row_bytes = long(P.Hkv) * P.D * (P.kv_dtype == kF32 ? 4 : 2);
   int hsplit = 1;
   while (threads > 1 && long(ranges.size()) * hsplit < 2L * threads && hsplit < P.Hkv) {
-    do ++hsplit; while (P.Hkv % hsplit != 0);
+    int next = hsplit;
+    do ++next; while (P.Hkv % next != 0);
+    const bool balanced = 2 * long(ranges.size()) * hsplit >= 3L * threads;
+    if (balanced && kv_row_bytes / next < kMinHeadRunBytes) break;
+    hsplit = next;
   }
   const int hstep = P.Hkv / hsplit;
   std::vector<int> slot_of_seq(P.B, -1);
