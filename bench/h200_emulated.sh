@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # The NEO paper's small-GPU settings emulated on the H200: an 8-SM partition (`--gpu-sm-count 8`, ~640 GB/s and
 # ~55 TFLOP/s, an A10G-class device) and a memory budget, dummy bf16 weights, the paper's A10G trace. Steps, in
-# the order given (each a few minutes; d, d_offline, e and e_offline each fill most of a 10-minute call):
+# the order given (each a few minutes; d, d_offline and each (e) step fill most of a 10-minute call):
 #   bash bench/h200_emulated.sh tests roofline c   # CUDA tests of the partition, its roofline, (c) full H200
 #   bash bench/h200_emulated.sh d d_offline        # (d) A10G-class: Llama-3-8B shape, 24 GB, never and auto
-#   bash bench/h200_emulated.sh e e_offline        # (e) T4-class memory: Llama-2-7B shape (MHA), 16 GB
+#   bash bench/h200_emulated.sh e_light            # (e) T4-class memory: Llama-2-7B shape (MHA), 16 GB; the sweep
+#   bash bench/h200_emulated.sh e_knee             # in three calls, each rate's trace long enough for GPU-only's
+#   bash bench/h200_emulated.sh e_saturated        # queue to build where it cannot keep up, then one report:
+#     python3 bench/serving.py --merge .../h200_serving_e_t4mem_{light,knee,saturated}.json --json REPORT
+#   bash bench/h200_emulated.sh e_offline          # (e) offline
 #   bash bench/h200_emulated.sh e_always e_sequential  # (e): never against always; its sequential iterations
 #   bash bench/h200_emulated.sh e_swap             # (e): one request's swap, alone and beside CPU attention
 # (e) runs on 8 SMs, twice a T4's bandwidth: the smallest partition. The policies of a setting share one engine
@@ -16,6 +20,8 @@ mkdir -p "$OUT"
 TOKENIZER="${TOKENIZER:?set TOKENIZER to a tokenizer directory: the dummy shapes have none (bench/h200.sh says which)}"
 step() { local limit=$1; shift; echo "=== $* (limit ${limit}s)"; timeout "$limit" "$@"; echo "=== exit $?"; }
 SERVE=(python3 bench/serving.py --policies never auto --gpu-sm-count 8 --warmup-seconds 10 --tokenizer "$TOKENIZER")
+SERVE_E=("${SERVE[@]}" --model bench/configs/llama2-7b --load-format dummy --gpu-memory-gb 16 --cpu-kv-cache-gb 48 \
+    --cpu-latency-slack 2 --warmup-seconds 20)
 {
   python3 -m neo_backend build-kernel
   for what in "$@"; do
@@ -34,14 +40,18 @@ SERVE=(python3 bench/serving.py --policies never auto --gpu-sm-count 8 --warmup-
       d_offline)
         step 300 "${SERVE[@]}" --gpu-memory-gb 24 --rates --offline 40 --cpu-kv-cache-gb 32 \
             --json "$OUT/h200_serving_d_a10g_offline.json" ;;
-      e)
-        step 535 "${SERVE[@]}" --model bench/configs/llama2-7b --load-format dummy --gpu-memory-gb 16 \
-            --rates 0.1 0.25 0.4 --seconds-per-rate 45 --cpu-kv-cache-gb 48 --cpu-latency-slack 2 \
-            --iteration-log "$OUT/h200_serving_e_t4mem_iterations.jsonl" --json "$OUT/h200_serving_e_t4mem.json" ;;
+      e_light)
+        step 540 "${SERVE_E[@]}" --rates 0.1 0.3 --seconds-per-rate 100 \
+            --iteration-log "$OUT/h200_serving_e_t4mem_light_iterations.jsonl" --json "$OUT/h200_serving_e_t4mem_light.json" ;;
+      e_knee)
+        step 520 "${SERVE_E[@]}" --rates 0.35 --seconds-per-rate 120 \
+            --iteration-log "$OUT/h200_serving_e_t4mem_knee_iterations.jsonl" --json "$OUT/h200_serving_e_t4mem_knee.json" ;;
+      e_saturated)
+        step 540 "${SERVE_E[@]}" --rates 0.4 0.5 --seconds-per-rate 90 \
+            --iteration-log "$OUT/h200_serving_e_t4mem_saturated_iterations.jsonl" \
+            --json "$OUT/h200_serving_e_t4mem_saturated.json" ;;
       e_offline)
-        step 280 "${SERVE[@]}" --model bench/configs/llama2-7b --load-format dummy --gpu-memory-gb 16 \
-            --rates --offline 12 --cpu-kv-cache-gb 48 --cpu-latency-slack 2 \
-            --json "$OUT/h200_serving_e_t4mem_offline.json" ;;
+        step 280 "${SERVE_E[@]}" --rates --offline 12 --json "$OUT/h200_serving_e_t4mem_offline.json" ;;
       e_swap)
         step 120 python3 bench/swap.py --device cuda --model bench/configs/llama2-7b --context 1100 --busy-host \
             --json "$OUT/h200_swap_e.json" ;;

@@ -5,6 +5,7 @@ policy changes between runs), the same traces and knobs.
     python bench/serving.py --gpu-memory-gb 24 --rates 1 2 4 6 8 --policies never auto always
     python bench/serving.py --gpu-memory-gb 24 --gpu-sm-count 8 --rates 0.5 1 2 --offline 100   # A10G-class
     python bench/serving.py --replay-records results/rate_1/requests.jsonl   # the load a `python -m loadtest` run sent
+    python bench/serving.py --merge light.json rate04.json --json sweep.json   # a sweep split over several runs
 
 Per rate: requests/s, output tokens/s, mean per-token latency (the NEO paper's metric: mean over requests of
 (end - start) / output tokens), P50/P99 TTFT and TPOT, the mean decode batch on the GPU and on the CPU; requests
@@ -12,7 +13,8 @@ arriving in the first --warmup-seconds load the server but are left out of the f
 comparisons with GPU-only (`never`): the paper's, the highest output tokens/s whose mean per-token latency
 stays under 2x GPU-only's at the lightest rate; and the highest whose P99 TPOT stays under the SLO (default
 1.5x GPU-only's P99 TPOT at the lightest rate). --offline adds a run with every request at t=0 (alone with
-`--rates` given no values).
+`--rates` given no values). --merge builds one report from the reports of several runs of one setting, so that a
+sweep whose traces are too long for one run (steady state at saturated rates) can be split by rate.
 """
 
 from __future__ import annotations
@@ -233,8 +235,12 @@ def start_engine(args: argparse.Namespace, policy: str) -> StreamingEngine:
     return StreamingEngine(config)
 
 
+def trace_length(rate: float, seconds_per_rate: float | None, num_requests: int) -> int:
+    return max(8, math.ceil(rate * seconds_per_rate)) if seconds_per_rate else num_requests
+
+
 def rate_trace(rate: float, args: argparse.Namespace, vocab: int) -> list[tuple[float, list[int], int]]:
-    num = max(8, math.ceil(rate * args.seconds_per_rate)) if args.seconds_per_rate else args.num_requests
+    num = trace_length(rate, args.seconds_per_rate, args.num_requests)
     return make_trace(num, rate, args.workload, vocab, int(rate * 1000), tuple(args.fixed))
 
 
@@ -280,8 +286,21 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--iteration-log", type=Path, help="JSON lines of every iteration's engine stats")
+    parser.add_argument(
+        "--merge",
+        nargs="+",
+        type=Path,
+        metavar="JSON",
+        help="run nothing: one report (--json) from these reports of one setting, each rate measured once",
+    )
     add_engine_args(parser)
     args = parser.parse_args()
+    if args.merge:
+        report = merge_reports(args.merge, args.slo_factor)
+        if args.json:
+            args.json.write_text(json.dumps(report, indent=1))
+        print(json.dumps({k: report.get(k) for k in SUMMARY_KEYS}))
+        return 0
     if not (args.rates or args.offline or args.replay_records):
         parser.error("nothing to run: give --rates, --offline or --replay-records")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -297,7 +316,8 @@ def main() -> int:
     def save() -> None:
         """The report so far, written after every run so a benchmark cut short keeps what it measured."""
         nonlocal report
-        report = build_report(results, offline, args, num_gpu_blocks)
+        given = {k: str(v) for k, v in vars(args).items()}
+        report = build_report(results, offline, args.slo_factor, num_gpu_blocks, given)
         if args.json:
             args.json.write_text(json.dumps(report, indent=1, default=str))
 
@@ -336,21 +356,17 @@ def main() -> int:
             offline[policy] = run(policy, "offline   ", trace)
             save()
     front.shutdown()
-    print(
-        json.dumps(
-            {
-                k: report.get(k)
-                for k in (
-                    "paper_metric",
-                    "slo_tpot_p99_s",
-                    "best_throughput_under_slo",
-                    "ratios_over_never",
-                    "offline_ratios_over_never",
-                )
-            }
-        )
-    )
+    print(json.dumps({k: report.get(k) for k in SUMMARY_KEYS}))
     return 0
+
+
+SUMMARY_KEYS = (
+    "paper_metric",
+    "slo_tpot_p99_s",
+    "best_throughput_under_slo",
+    "ratios_over_never",
+    "offline_ratios_over_never",
+)
 
 
 def paper_metric(results: dict[str, list[dict]], factor: float = 2.0) -> dict:
@@ -377,13 +393,16 @@ def paper_metric(results: dict[str, list[dict]], factor: float = 2.0) -> dict:
     return metric
 
 
-def build_report(results: dict[str, list[dict]], offline: dict[str, dict], args, num_gpu_blocks: int | None) -> dict:
-    """The paper's metric; per policy, the best output tokens/s among rates whose P99 TPOT meets the SLO, and ratios
-    over never; the offline runs and their throughput ratios."""
+def build_report(
+    results: dict[str, list[dict]], offline: dict[str, dict], slo_factor: float, num_gpu_blocks: int | None, args
+) -> dict:
+    """The paper's metric; per policy, the best output tokens/s among rates whose P99 TPOT meets the SLO (its base
+    the first rate's), and ratios over never; the offline runs and their throughput ratios. `args`: what the
+    run(s) were given, recorded as is."""
     report: dict = {}
     if any(results.values()):
         base = results.get("never") or next(iter(results.values()))
-        slo = args.slo_factor * base[0]["tpot_p99_s"]
+        slo = slo_factor * base[0]["tpot_p99_s"]
         best = {}
         for policy, rows in results.items():
             ok = [r for r in rows if r["tpot_p99_s"] is not None and r["tpot_p99_s"] <= slo and not r["failed"]]
@@ -391,14 +410,38 @@ def build_report(results: dict[str, list[dict]], offline: dict[str, dict], args,
         report.update(paper_metric=paper_metric(results), slo_tpot_p99_s=slo, best_throughput_under_slo=best)
         if best.get("never"):
             report["ratios_over_never"] = {p: b / best["never"] for p, b in best.items()}
-    report.update(
-        results=results, offline=offline, num_gpu_blocks=num_gpu_blocks, args={k: str(v) for k, v in vars(args).items()}
-    )
+    report.update(results=results, offline=offline, num_gpu_blocks=num_gpu_blocks, args=args)
     if "never" in offline:
         report["offline_ratios_over_never"] = {
             p: r["output_tokens_per_s"] / offline["never"]["output_tokens_per_s"] for p, r in offline.items()
         }
     return report
+
+
+def merge_reports(paths: list[Path], slo_factor: float) -> dict:
+    """One report from several of this script's reports of one setting (a sweep split by rate over runs): each
+    policy's rate rows in rate order, the offline runs, and the comparisons over them all."""
+    results: dict[str, list[dict]] = {}
+    offline: dict[str, dict] = {}
+    args, pools = [], set()
+    for path in paths:
+        part = json.loads(path.read_text())
+        for policy, rows in part["results"].items():
+            results.setdefault(policy, []).extend(rows)
+        for policy, row in part["offline"].items():
+            if policy in offline:
+                raise SystemExit(f"{path}: a second offline run of {policy}")
+            offline[policy] = row
+        args.append(part["args"])
+        pools.add(part["num_gpu_blocks"])
+    if len(pools) > 1:
+        raise SystemExit(f"the reports have device pools of {sorted(pools)} blocks: not one setting")
+    for policy, rows in results.items():
+        rates = [r["rate"] for r in rows]
+        if len(set(rates)) < len(rates):
+            raise SystemExit(f"{policy} was measured more than once at one rate: {sorted(rates)}")
+        rows.sort(key=lambda r: r["rate"])
+    return build_report(results, offline, slo_factor, pools.pop(), args)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from serving import Record, make_trace, paper_metric, summarize  # noqa: E402
+from serving import Record, make_trace, paper_metric, summarize, trace_length  # noqa: E402
 
 from neo_backend import EngineConfig, SamplingParams  # noqa: E402
 from neo_backend.core.block_manager import BlockManager  # noqa: E402
@@ -36,8 +36,8 @@ from neo_backend.executor.profiler import DENSE_PROFILE_TOKENS  # noqa: E402
 BLOCK_SIZE = 16
 SWAP_BYTES_PER_S = 15e9  # a swap as the scheduler waits for it: 27-55 ms per 577-700 MB request in serving
 # (setting (e) on the H200: the copy, and the gather or scatter on the host side)
-HOST_BW = 100e9  # the host's attention read rate and what an iteration with host work costs beyond it: the fit
-HOST_FIXED_S = 6e-3  # to serving's iterations (`setting`)
+HOST_BW = 128e9  # the host's attention read rate and what an iteration with host work costs beyond it: the fit
+HOST_FIXED_S = 2.2e-3  # to serving's iterations (`setting`)
 
 
 @dataclass
@@ -80,9 +80,10 @@ def setting(
     """(cost model, device KV blocks, host KV GiB) of the emulated settings. The device reads its weights at the
     rate the engine's decodes reach at 8 SMs (one Llama-2-7B decode in 16.9 ms: ~850 GB/s of reads, where a copy,
     reading and writing, moves ~640 GB/s). The host's terms are fitted to the
-    engine's iterations at 8 SMs, Llama-2-7B shape (bench/RESULTS.md): a sequential iteration with one CPU decode
-    at context ~1.2k takes ~11.3 ms more than the GPU-only one, with two CPU decodes ~17.5 ms more, the device's
-    attention running beside the host's: ~6 ms fixed (the layers' hand-offs) and ~6.3 ms per request (~100 GB/s)."""
+    engine's iterations at 8 SMs, Llama-2-7B shape (bench/RESULTS.md, setting (e)): a sequential iteration with one
+    CPU decode at context ~1.2k takes ~7.0 ms more than the GPU-only one (25.4 against 18.3 ms), with two CPU
+    decodes ~11.9 ms more, the device's attention running beside the host's: ~2.2 ms fixed (the layers'
+    hand-offs) and ~4.9 ms per request (~128 GB/s)."""
     if name == "a10g":  # Llama-3-8B (GQA 8 KV heads), 24 GB: 3606 blocks as bench/serving.py sizes it
         return Roofline(16.06e9, 2 * 32 * 8 * 128 * 2, sm8_bw, sm8_flops, host_bw, host_fixed_s), 3606, 32.0
     if name == "t4mem":  # Llama-2-7B (MHA), 16 GB
@@ -155,6 +156,11 @@ def main() -> int:
     parser.add_argument("--rates", nargs="+", type=float, default=[0.5, 1, 1.5, 2, 2.5, 3])
     parser.add_argument("--num-requests", type=int, default=300)
     parser.add_argument(
+        "--seconds-per-rate",
+        type=float,
+        help="instead of --num-requests: rate x this many requests per rate, the trace bench/serving.py replays",
+    )
+    parser.add_argument(
         "--warmup-seconds",
         type=float,
         default=60.0,
@@ -186,7 +192,8 @@ def main() -> int:
     for policy in args.policies:
         results[policy] = []
         for rate in args.rates:
-            trace = make_trace(args.num_requests, rate, "a10g", 1000, int(rate * 1000))
+            num = trace_length(rate, args.seconds_per_rate, args.num_requests)
+            trace = make_trace(num, rate, "a10g", 1000, int(rate * 1000))
             records, stats = simulate(policy, roof, gpu_blocks, cpu_gb, trace, knobs)
             measured = [r for r in records if r.start >= args.warmup_seconds]
             row = {"rate": rate, **summarize(measured), "stats": stats}
