@@ -41,7 +41,7 @@ SERVE_E=("${SERVE[@]}" --model bench/configs/llama2-7b --load-format dummy --gpu
         step 300 "${SERVE[@]}" --gpu-memory-gb 24 --rates --offline 40 --cpu-kv-cache-gb 32 \
             --json "$OUT/h200_serving_d_a10g_offline.json" ;;
       e_light)
-        step 540 "${SERVE_E[@]}" --rates 0.1 0.3 --seconds-per-rate 100 \
+        step 540 "${SERVE_E[@]}" --rates 0.1 0.3 --seconds-per-rate 90 \
             --iteration-log "$OUT/h200_serving_e_t4mem_light_iterations.jsonl" --json "$OUT/h200_serving_e_t4mem_light.json" ;;
       e_knee)
         step 520 "${SERVE_E[@]}" --rates 0.35 --seconds-per-rate 120 \
