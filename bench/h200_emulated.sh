@@ -19,9 +19,15 @@ export PYTHONUNBUFFERED=1 OUT="${OUT:-bench/results/tmp}"
 mkdir -p "$OUT"
 TOKENIZER="${TOKENIZER:?set TOKENIZER to a tokenizer directory: the dummy shapes have none (bench/h200.sh says which)}"
 step() { local limit=$1; shift; echo "=== $* (limit ${limit}s)"; timeout "$limit" "$@"; echo "=== exit $?"; }
-SERVE=(python3 bench/serving.py --policies never auto --gpu-sm-count 8 --warmup-seconds 10 --tokenizer "$TOKENIZER")
+SERVE=(python3 bench/serving.py --policies never auto --gpu-sm-count 8 --tokenizer "$TOKENIZER")
 SERVE_E=("${SERVE[@]}" --model bench/configs/llama2-7b --load-format dummy --gpu-memory-gb 16 --cpu-kv-cache-gb 48 \
     --cpu-latency-slack 2 --warmup-seconds 20)
+serve_e() {  # NAME LIMIT SECONDS_PER_RATE RATE...: one part of (e)'s sweep, its report and iteration log
+  local name=$1 limit=$2 seconds=$3; shift 3
+  step "$limit" "${SERVE_E[@]}" --rates "$@" --seconds-per-rate "$seconds" \
+      --iteration-log "$OUT/h200_serving_e_t4mem_${name}_iterations.jsonl" \
+      --json "$OUT/h200_serving_e_t4mem_${name}.json"
+}
 {
   python3 -m neo_backend build-kernel
   for what in "$@"; do
@@ -35,21 +41,14 @@ SERVE_E=("${SERVE[@]}" --model bench/configs/llama2-7b --load-format dummy --gpu
         step 170 python3 bench/serving.py --rates 8 16 --num-requests 60 --policies never auto --cpu-kv-cache-gb 16 \
             --tokenizer "$TOKENIZER" --json "$OUT/h200_serving_c_full.json" ;;
       d)
-        step 370 "${SERVE[@]}" --gpu-memory-gb 24 --rates 0.5 1.5 2.5 --seconds-per-rate 36 \
+        step 370 "${SERVE[@]}" --gpu-memory-gb 24 --rates 0.5 1.5 2.5 --seconds-per-rate 36 --warmup-seconds 10 \
             --cpu-kv-cache-gb 32 --json "$OUT/h200_serving_d_a10g.json" ;;
       d_offline)
         step 300 "${SERVE[@]}" --gpu-memory-gb 24 --rates --offline 40 --cpu-kv-cache-gb 32 \
             --json "$OUT/h200_serving_d_a10g_offline.json" ;;
-      e_light)
-        step 540 "${SERVE_E[@]}" --rates 0.1 0.3 --seconds-per-rate 90 \
-            --iteration-log "$OUT/h200_serving_e_t4mem_light_iterations.jsonl" --json "$OUT/h200_serving_e_t4mem_light.json" ;;
-      e_knee)
-        step 520 "${SERVE_E[@]}" --rates 0.35 --seconds-per-rate 120 \
-            --iteration-log "$OUT/h200_serving_e_t4mem_knee_iterations.jsonl" --json "$OUT/h200_serving_e_t4mem_knee.json" ;;
-      e_saturated)
-        step 540 "${SERVE_E[@]}" --rates 0.4 0.5 --seconds-per-rate 90 \
-            --iteration-log "$OUT/h200_serving_e_t4mem_saturated_iterations.jsonl" \
-            --json "$OUT/h200_serving_e_t4mem_saturated.json" ;;
+      e_light) serve_e light 540 90 0.1 0.3 ;;
+      e_knee) serve_e knee 520 120 0.35 ;;
+      e_saturated) serve_e saturated 540 90 0.4 0.5 ;;
       e_offline)
         step 280 "${SERVE_E[@]}" --rates --offline 12 --json "$OUT/h200_serving_e_t4mem_offline.json" ;;
       e_swap)
