@@ -1,11 +1,11 @@
-"""Figures and headline numbers of the H200 runs: one PNG per serving scenario and bench/results/h200.json.
+"""Figures and headline numbers of the GPU runs: one PNG per serving scenario and bench/results/h200.json.
 
     python bench/plots.py                          # the default inputs under bench/results/
     python bench/plots.py --serving-b-80gb $OUT/h200_serving_b_80gb.json --hf-peer $OUT/h200_hf_peer.json
 
 Per scenario (the JSON of `bench/serving.py --json`): throughput in output tokens/s on x against the mean
 per-token latency and the P99 TPOT on y, one curve per offload policy (as in the NEO paper's figures 9-10),
-written to <out-dir>/h200_serving_<scenario>.png; and `neo_over_gpu_only`, serving.py's ratio of the best
+written to <out-dir>/<the input's name>.png; and `neo_over_gpu_only`, serving.py's ratio of the best
 throughputs under the SLO, auto over never. Besides: `decode_step_over_floor` and
 `prefill_fraction_of_matmul_peak` from `bench/engine.py --roofline --json`, and `over_hf_transformers` from
 `bench/hf_peer.py --json`. A missing or unreadable input gives null with a note, not an error.
@@ -28,6 +28,10 @@ SCENARIOS = {  # name: (default input, title)
     "e_t4mem": (
         RESULTS / "h200_serving_e_t4mem.json",
         "(e) emulated T4 memory: 8 SMs (twice a T4's bandwidth), 16 GB, Llama-2-7B shape",
+    ),
+    "e_t4mem_h100": (
+        RESULTS / "h100_serving_e_t4mem.json",
+        "(e) emulated T4 memory on an H100: 8 of 132 SMs, 16 GB, Llama-2-7B shape, steady-state traces",
     ),
     "e_t4mem_always": (
         RESULTS / "h200_serving_e_t4mem_always.json",
@@ -93,7 +97,7 @@ def scenario_summary(name: str, path: Path, title: str, out_dir: Path) -> dict:
     report = read_json(path, notes)
     summary = {"source": _shown(path), "neo_over_gpu_only": None}
     if report is not None:
-        png = out_dir / f"h200_serving_{name}.png"
+        png = out_dir / f"{path.stem}.png"
         plot_scenario(report, title, png)
         summary.update(
             neo_over_gpu_only=neo_over_gpu_only(report),

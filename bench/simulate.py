@@ -36,6 +36,7 @@ from neo_backend.executor.profiler import DENSE_PROFILE_TOKENS  # noqa: E402
 BLOCK_SIZE = 16
 SWAP_BYTES_PER_S = 15e9  # a swap as the scheduler waits for it: 27-55 ms per 577-700 MB request in serving
 # (setting (e) on the H200: the copy, and the gather or scatter on the host side)
+SM8_BW = 850e9  # what the engine's decodes read at 8 SMs of the H200 (`setting`)
 HOST_BW = 128e9  # the host's attention read rate and what an iteration with host work costs beyond it: the fit
 HOST_FIXED_S = 2.2e-3  # to serving's iterations (`setting`)
 
@@ -72,7 +73,7 @@ class Roofline:
 
 def setting(
     name: str,
-    sm8_bw: float = 850e9,
+    sm8_bw: float = SM8_BW,
     sm8_flops: float = 55e12,
     host_bw: float = HOST_BW,
     host_fixed_s: float = HOST_FIXED_S,
@@ -166,6 +167,12 @@ def main() -> int:
         default=60.0,
         help="requests arriving this early in a trace are left out of its figures",
     )
+    parser.add_argument(
+        "--gpu-bw",
+        type=float,
+        default=SM8_BW,
+        help="the bytes/s the device's decodes read at 8 SMs (the H200's partition; an H100's reads ~710e9)",
+    )
     parser.add_argument("--host-bw", type=float, default=HOST_BW)
     parser.add_argument(
         "--host-fixed-s",
@@ -184,7 +191,7 @@ def main() -> int:
     )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    roof, gpu_blocks, cpu_gb = setting(args.setting, host_bw=args.host_bw, host_fixed_s=args.host_fixed_s)
+    roof, gpu_blocks, cpu_gb = setting(args.setting, args.gpu_bw, host_bw=args.host_bw, host_fixed_s=args.host_fixed_s)
     gpu_blocks = args.num_gpu_blocks or gpu_blocks
     knobs = EngineConfig.from_strings(dict(args.knob)).__dict__
     knobs = {k: knobs[k] for k, _ in args.knob}

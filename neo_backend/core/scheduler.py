@@ -360,23 +360,28 @@ class Scheduler:
         the host's decodes (`seq` among them) must fit the latency bound and yield more tokens/s than the device's
         decodes alone. Otherwise `seq` is better recomputed later: starved on a slow host, or slowing every device
         decode more than its own tokens add (a fast GPU beside a host of little memory bandwidth). While prompts
-        wait for device memory, the host's batch is judged as it will be once they have followed `seq` there,
-        beside as many device decodes as now (a prompt takes the room `seq` leaves)."""
+        wait for device memory, the host's batch is judged as it will be once as many of them as the bound allows
+        have followed `seq` there, beside as many device decodes as now (a prompt takes the room `seq` leaves): a
+        host whose fixed cost only a larger batch repays is used, and a long queue does not stop offloading."""
         if self.perf is None:
             return True
         if self.cpu_behind:
             return False
         cpu_ctx = [len(s.token_ids) for s in self.cpu_running + [seq]]
+        followers: list[int] = []
         if self._prompts_wait_for_memory():
             gpu = self.running
-            cpu_ctx += [len(s.token_ids) for s in self._followers(seq)]
+            followers = [len(s.token_ids) for s in self._followers(seq)]
         else:
             gpu = [s for s in self.running if s is not seq]
         gpu_tokens, gpu_ctx = len(gpu), sum(len(s.token_ids) for s in gpu)
         alone = self.perf.sequential(gpu_tokens, gpu_ctx, 0, 0)
-        with_cpu = self.best_mode(gpu_tokens, gpu_ctx, cpu_ctx)[0]
-        more_tokens_per_s = (gpu_tokens + len(cpu_ctx)) * alone >= gpu_tokens * with_cpu
-        return with_cpu <= alone * self.config.cpu_latency_slack and more_tokens_per_s
+        for count in range(len(followers), -1, -1):
+            batch = cpu_ctx + followers[:count]
+            with_cpu = self.best_mode(gpu_tokens, gpu_ctx, batch)[0]
+            if with_cpu <= alone * self.config.cpu_latency_slack:
+                return (gpu_tokens + len(batch)) * alone >= gpu_tokens * with_cpu
+        return False
 
     def _prompts_wait_for_memory(self) -> bool:
         """The next prompt's prefill does not fit in the free device blocks."""

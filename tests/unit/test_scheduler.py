@@ -354,6 +354,19 @@ def test_waiting_prompts_count_in_the_host_batch_an_offload_leads_to():
         assert bool(sched.cpu_running) == offloads, num_waiting
 
 
+def test_a_long_queue_does_not_stop_offloading():
+    """Beside two device decodes the latency bound holds a host batch of three, not the seven that six waiting
+    prompts would make: a request still moves to the host, judged with the followers the bound allows."""
+    model = perf(dense_fixed=10e-3, dense_per_token=0.0, cpu_per_token=0.0, cpu_per_request=3e-3)
+    sched = make_scheduler("auto", gpu_blocks=4, model=model, cpu_latency_slack=2.0)
+    sched.running = [_decoding(i, 8, sched.gpu_blocks, Placement.GPU) for i in range(2)]
+    for i in range(6):
+        sched.add(request(10 + i, prompt_len=8))
+    sched.schedule()
+    assert len(sched.cpu_running) == 1
+    assert model.sequential(2, 16, 7, 7 * 8) > model.sequential(2, 16, 0, 0) * 2.0
+
+
 def test_cpu_requests_without_room_on_the_device_run_in_every_iteration():
     """Beside a device decode, each CPU decode would break the latency bound; with no room for them on the device
     they still all run (left out, they would only wait longer)."""
