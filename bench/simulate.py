@@ -3,13 +3,14 @@
     python bench/simulate.py --setting a10g --rates 0.5 1 1.5 2 2.5 3 --policies never auto always
 
 Each iteration the engine's `Scheduler` plans as in serving; the iteration then takes the time the cost model
-gives for its mode (GPU-only, sequential or pipelined, the same formulas as `PerfModel`) plus its planned swaps at
-the rate the engine lands them, and every scheduled request advances; the swap-outs started after a step (which
-overlap the device's work) land by the next. The cost model is built from a device's
-bandwidth and matrix rate and the host's attention bandwidth and hand-off cost (`Roofline`); the defaults of
-each setting are the H200's 8-SM partition and its 16-core host as measured (bench/RESULTS.md). A design tool
-for the policy, run in seconds on a laptop; it says nothing about the engine's own overheads, which only
-`bench/serving.py` on the GPU measures.
+gives for its mode (GPU-only, sequential or pipelined, the same formulas as `PerfModel`, a pipelined step's
+hand-offs beyond them) plus its planned swaps at the rate the engine lands them, and every scheduled request
+advances; the swap-outs started after a step (which overlap the device's work) land by the next. The scheduler's
+model observes each step as the engine's does, so it learns what its formulas miss. The cost model is built
+from a device's bandwidth and matrix rate and the host's attention bandwidth and hand-off cost (`Roofline`); the
+defaults of each setting are the H200's 8-SM partition and its 16-core host as measured (bench/RESULTS.md). A
+design tool for the policy, run in seconds on a laptop; it says nothing about the engine's own overheads, which
+only `bench/serving.py` on the GPU measures.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -54,6 +55,7 @@ class Roofline:
     cpu_fixed_s: float
     cpu_per_request_s: float = 20e-6
     step_overhead_s: float = 1e-3
+    pipelined_extra_s: float = 0.0  # what a pipelined iteration costs beyond the model's formula (its hand-offs)
 
     def dense(self, tokens: int) -> float:
         flops = 2 * self.weight_bytes / 2 * tokens  # bf16: params = bytes / 2, 2 FLOPs per param and token
@@ -92,9 +94,11 @@ def setting(
     raise ValueError(name)
 
 
-def iteration_time(perf: PerfModel, out: SchedulerOutput) -> float:
+def iteration_time(roof: Roofline, perf: PerfModel, out: SchedulerOutput) -> float:
+    """The step's time on the simulated clock: the cost model's, a pipelined step's hand-offs beyond it."""
     cpu = [len(s.token_ids) for s in out.cpu_decodes]
-    return perf.iteration(*out.gpu_work(), cpu, out.split if out.pipelined else None)
+    step = perf.iteration(*out.gpu_work(), cpu, out.split if out.pipelined else None)
+    return step + (roof.pipelined_extra_s if out.pipelined else 0.0)
 
 
 def simulate(policy: str, roof: Roofline, gpu_blocks: int, cpu_gb: float, trace, knobs: dict) -> tuple[list, dict]:
@@ -124,7 +128,9 @@ def simulate(policy: str, roof: Roofline, gpu_blocks: int, cpu_gb: float, trace,
             clock = seqs[next_arrival].arrival_time if next_arrival < len(seqs) else clock + 1e-3
             continue
         swapped = sum(len(swap.device_blocks) for swap in out.swap_in + out.swap_out)
-        clock += iteration_time(perf, out) + swapped * block_bytes / SWAP_BYTES_PER_S
+        step = iteration_time(roof, perf, out)
+        perf.observe_iteration(out.predicted_time, step, bool(out.cpu_decodes))  # as the engine corrects its model
+        clock += step + swapped * block_bytes / SWAP_BYTES_PER_S
         stats["iterations"] += 1
         stats["gpu_decode_rows"] += len(out.gpu_decodes)
         stats["cpu_decode_rows"] += len(out.cpu_decodes)
@@ -180,6 +186,12 @@ def main() -> int:
         default=HOST_FIXED_S,
         help="what an iteration with host work costs beyond the kernel's reads (the fit to serving's iterations)",
     )
+    parser.add_argument(
+        "--pipelined-extra-s",
+        type=float,
+        default=0.0,
+        help="what a pipelined iteration costs beyond the model's formula (the H100's partition: ~4.5e-3)",
+    )
     parser.add_argument("--num-gpu-blocks", type=int, help="the device KV pool (default: the setting's)")
     parser.add_argument(
         "--knob",
@@ -192,6 +204,7 @@ def main() -> int:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     roof, gpu_blocks, cpu_gb = setting(args.setting, args.gpu_bw, host_bw=args.host_bw, host_fixed_s=args.host_fixed_s)
+    roof = replace(roof, pipelined_extra_s=args.pipelined_extra_s)
     gpu_blocks = args.num_gpu_blocks or gpu_blocks
     knobs = EngineConfig.from_strings(dict(args.knob)).__dict__
     knobs = {k: knobs[k] for k, _ in args.knob}
