@@ -7,10 +7,10 @@ gives for its mode (GPU-only, sequential or pipelined, the same formulas as `Per
 hand-offs beyond them) plus its planned swaps at the rate the engine lands them, and every scheduled request
 advances; the swap-outs started after a step (which overlap the device's work) land by the next. The scheduler's
 model observes each step as the engine's does, so it learns what its formulas miss. The cost model is built
-from a device's bandwidth and matrix rate and the host's attention bandwidth and hand-off cost (`Roofline`); the
-defaults of each setting are the H200's 8-SM partition and its 16-core host as measured (bench/RESULTS.md). A
-design tool for the policy, run in seconds on a laptop; it says nothing about the engine's own overheads, which
-only `bench/serving.py` on the GPU measures.
+from a device's bandwidth and matrix rate and the host's attention bandwidth and hand-off cost (`Roofline`),
+fitted to a machine's 8-SM partition and 16-core host as measured (`Fit`: `--fit h200`, the default, or `--fit
+h100`; bench/RESULTS.md). A design tool for the policy, run in seconds on a laptop; it says nothing about the
+engine's own overheads beyond the fitted terms, which only `bench/serving.py` on the GPU measures.
 """
 
 from __future__ import annotations
@@ -37,9 +37,6 @@ from neo_backend.executor.profiler import DENSE_PROFILE_TOKENS  # noqa: E402
 BLOCK_SIZE = 16
 SWAP_BYTES_PER_S = 15e9  # a swap as the scheduler waits for it: 27-55 ms per 577-700 MB request in serving
 # (setting (e) on the H200: the copy, and the gather or scatter on the host side)
-SM8_BW = 850e9  # what the engine's decodes read at 8 SMs of the H200 (`setting`)
-HOST_BW = 128e9  # the host's attention read rate and what an iteration with host work costs beyond it: the fit
-HOST_FIXED_S = 2.2e-3  # to serving's iterations (`setting`)
 
 
 @dataclass
@@ -73,24 +70,36 @@ class Roofline:
         )
 
 
-def setting(
-    name: str,
-    sm8_bw: float = SM8_BW,
-    sm8_flops: float = 55e12,
-    host_bw: float = HOST_BW,
-    host_fixed_s: float = HOST_FIXED_S,
-) -> tuple[Roofline, int, float]:
-    """(cost model, device KV blocks, host KV GiB) of the emulated settings. The device reads its weights at the
-    rate the engine's decodes reach at 8 SMs (one Llama-2-7B decode in 16.9 ms: ~850 GB/s of reads, where a copy,
-    reading and writing, moves ~640 GB/s). The host's terms are fitted to the
-    engine's iterations at 8 SMs, Llama-2-7B shape (bench/RESULTS.md, setting (e)): a sequential iteration with one
-    CPU decode at context ~1.2k takes ~7.0 ms more than the GPU-only one (25.4 against 18.3 ms), with two CPU
-    decodes ~11.9 ms more, the device's attention running beside the host's: ~2.2 ms fixed (the layers'
-    hand-offs) and ~4.9 ms per request (~128 GB/s)."""
+@dataclass(frozen=True)
+class Fit:
+    """A machine's terms at 8 SMs, fitted to serving's iteration log in setting (e) (Llama-2-7B shape,
+    bench/RESULTS.md): the bytes/s the engine's decodes read (where a copy, reading and writing, moves ~640 GB/s),
+    the host attention's read rate and what an iteration with host work costs beyond it (the layers' hand-offs,
+    the device's attention running beside the host's), and what a pipelined iteration costs beyond the model's
+    formula."""
+
+    gpu_bw: float
+    host_bw: float
+    host_fixed_s: float
+    pipelined_extra_s: float
+
+
+FITS = {
+    # one decode 16.9 ms; 2 GPU + 1 / 2 CPU decodes (context ~1.2k) 25.4 / 30.3 ms against 18.3; no pipelined ones
+    "h200": Fit(gpu_bw=850e9, host_bw=128e9, host_fixed_s=2.2e-3, pipelined_extra_s=0.0),
+    # one decode 20.0 ms; 2 GPU + 1 / 2 / 3 CPU decodes 29.8 / 34.9 / 40.0 ms against 21.4; pipelined 46-47 ms
+    "h100": Fit(gpu_bw=710e9, host_bw=123e9, host_fixed_s=4.2e-3, pipelined_extra_s=4.5e-3),
+}
+
+
+def setting(name: str, fit: Fit, gpu_flops: float = 55e12) -> tuple[Roofline, int, float]:
+    """(cost model, device KV blocks, host KV GiB) of the emulated settings on a machine's fit."""
+    terms = dict(gpu_bw=fit.gpu_bw, gpu_flops=gpu_flops, cpu_bw=fit.host_bw, cpu_fixed_s=fit.host_fixed_s)
+    terms["pipelined_extra_s"] = fit.pipelined_extra_s
     if name == "a10g":  # Llama-3-8B (GQA 8 KV heads), 24 GB: 3606 blocks as bench/serving.py sizes it
-        return Roofline(16.06e9, 2 * 32 * 8 * 128 * 2, sm8_bw, sm8_flops, host_bw, host_fixed_s), 3606, 32.0
+        return Roofline(16.06e9, 2 * 32 * 8 * 128 * 2, **terms), 3606, 32.0
     if name == "t4mem":  # Llama-2-7B (MHA), 16 GB
-        return Roofline(13.5e9, 2 * 32 * 32 * 128 * 2, sm8_bw, sm8_flops, host_bw, host_fixed_s), 185, 48.0
+        return Roofline(13.5e9, 2 * 32 * 32 * 128 * 2, **terms), 185, 48.0
     raise ValueError(name)
 
 
@@ -174,23 +183,17 @@ def main() -> int:
         help="requests arriving this early in a trace are left out of its figures",
     )
     parser.add_argument(
-        "--gpu-bw",
-        type=float,
-        default=SM8_BW,
-        help="the bytes/s the device's decodes read at 8 SMs (the H200's partition; an H100's reads ~710e9)",
+        "--fit", choices=sorted(FITS), default="h200", help="the machine whose 8-SM partition and host to model"
     )
-    parser.add_argument("--host-bw", type=float, default=HOST_BW)
+    parser.add_argument("--gpu-bw", type=float, help="instead of the fit's: the bytes/s the device's decodes read")
+    parser.add_argument("--host-bw", type=float, help="instead of the fit's: the host attention's read rate")
     parser.add_argument(
-        "--host-fixed-s",
-        type=float,
-        default=HOST_FIXED_S,
-        help="what an iteration with host work costs beyond the kernel's reads (the fit to serving's iterations)",
+        "--host-fixed-s", type=float, help="instead of the fit's: what an iteration with host work costs beyond it"
     )
     parser.add_argument(
         "--pipelined-extra-s",
         type=float,
-        default=0.0,
-        help="what a pipelined iteration costs beyond the model's formula (the H100's partition: ~4.5e-3)",
+        help="instead of the fit's: what a pipelined iteration costs beyond the model's formula",
     )
     parser.add_argument("--num-gpu-blocks", type=int, help="the device KV pool (default: the setting's)")
     parser.add_argument(
@@ -203,8 +206,8 @@ def main() -> int:
     )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    roof, gpu_blocks, cpu_gb = setting(args.setting, args.gpu_bw, host_bw=args.host_bw, host_fixed_s=args.host_fixed_s)
-    roof = replace(roof, pipelined_extra_s=args.pipelined_extra_s)
+    overrides = {name: getattr(args, name) for name in Fit.__dataclass_fields__ if getattr(args, name) is not None}
+    roof, gpu_blocks, cpu_gb = setting(args.setting, replace(FITS[args.fit], **overrides))
     gpu_blocks = args.num_gpu_blocks or gpu_blocks
     knobs = EngineConfig.from_strings(dict(args.knob)).__dict__
     knobs = {k: knobs[k] for k, _ in args.knob}
