@@ -376,12 +376,19 @@ class Scheduler:
             gpu = [s for s in self.running if s is not seq]
         gpu_tokens, gpu_ctx = len(gpu), sum(len(s.token_ids) for s in gpu)
         alone = self.perf.sequential(gpu_tokens, gpu_ctx, 0, 0)
-        for count in range(len(followers), -1, -1):
-            batch = cpu_ctx + followers[:count]
-            with_cpu = self.best_mode(gpu_tokens, gpu_ctx, batch)[0]
-            if with_cpu <= alone * self.config.cpu_latency_slack:
-                return (gpu_tokens + len(batch)) * alone >= gpu_tokens * with_cpu
-        return False
+        bound = alone * self.config.cpu_latency_slack
+        with_cpu = self.best_mode(gpu_tokens, gpu_ctx, cpu_ctx)[0]
+        if with_cpu > bound:
+            return False
+        low, high = 0, len(followers)  # the iteration's time only grows with its host batch: bisect the count
+        while low < high:
+            count = (low + high + 1) // 2
+            time = self.best_mode(gpu_tokens, gpu_ctx, cpu_ctx + followers[:count])[0]
+            if time <= bound:
+                low, with_cpu = count, time
+            else:
+                high = count - 1
+        return (gpu_tokens + len(cpu_ctx) + low) * alone >= gpu_tokens * with_cpu
 
     def _prompts_wait_for_memory(self) -> bool:
         """The next prompt's prefill does not fit in the free device blocks."""
