@@ -383,9 +383,9 @@ class Scheduler:
         low, high = 0, len(followers)  # the iteration's time only grows with its host batch: bisect the count
         while low < high:
             count = (low + high + 1) // 2
-            time = self.best_mode(gpu_tokens, gpu_ctx, cpu_ctx + followers[:count])[0]
-            if time <= bound:
-                low, with_cpu = count, time
+            predicted = self.best_mode(gpu_tokens, gpu_ctx, cpu_ctx + followers[:count])[0]
+            if predicted <= bound:
+                low, with_cpu = count, predicted
             else:
                 high = count - 1
         return (gpu_tokens + len(cpu_ctx) + low) * alone >= gpu_tokens * with_cpu
