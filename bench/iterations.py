@@ -20,6 +20,10 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from serving import pct  # noqa: E402
+
 
 def read_runs(path: Path, prefix: str = "") -> dict[str, list[dict]]:
     """The log's rows by run label, in order; only runs whose label starts with `prefix`."""
@@ -40,8 +44,16 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f}"
 
 
-def _p90(values: list[float]) -> float:
-    return statistics.quantiles(values, n=10)[-1] if len(values) > 1 else values[0]
+def _median(rows: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in rows)
+
+
+def _mean(rows: list[dict], key: str) -> float:
+    return statistics.fmean(r[key] for r in rows)
+
+
+def _total(rows: list[dict], key: str) -> float:
+    return sum(r[key] for r in rows)
 
 
 def kinds_table(rows: list[dict], top: int) -> list[str]:
@@ -53,17 +65,16 @@ def kinds_table(rows: list[dict], top: int) -> list[str]:
         "| host attention median / p90 ms | scheduling (swaps) ms |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    ordered = sorted(groups.items(), key=lambda item: -sum(r["measured_s"] for r in item[1]))
-    for (mode, prefill, gpu, cpu), group in ordered[:top]:
+    totals = {k: _total(group, "measured_s") for k, group in groups.items()}
+    for mode, prefill, gpu, cpu in sorted(totals, key=totals.get, reverse=True)[:top]:
+        group = groups[mode, prefill, gpu, cpu]
         host = [r["measured_cpu_s"] for r in group]
         lines.append(
             f"| {mode} | {'yes' if prefill else ''} | {gpu} / {cpu} | {len(group)} "
-            f"| {sum(r['measured_s'] for r in group):.1f} "
-            f"| {_ms(statistics.median(r['measured_s'] for r in group))} "
-            f"| {_ms(statistics.median(r['predicted_s'] for r in group))} "
-            f"| {f'{_ms(statistics.median(host))} / {_ms(_p90(host))}' if cpu else ''} "
-            f"| {_ms(statistics.median(r['schedule_s'] for r in group))} "
-            f"({_ms(statistics.median(r['swap_s'] for r in group))}) |"
+            f"| {totals[mode, prefill, gpu, cpu]:.1f} | {_ms(_median(group, 'measured_s'))} "
+            f"| {_ms(_median(group, 'predicted_s'))} "
+            f"| {f'{_ms(statistics.median(host))} / {_ms(pct(host, 90))}' if cpu else ''} "
+            f"| {_ms(_median(group, 'schedule_s'))} ({_ms(_median(group, 'swap_s'))}) |"
         )
     return lines
 
@@ -78,16 +89,11 @@ def timeline(rows: list[dict], window_s: float) -> list[str]:
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for index, group in sorted(windows.items()):
-
-        def mean(key: str, group: list[dict] = group) -> float:
-            return statistics.fmean(r[key] for r in group)
-
         lines.append(
-            f"| {index * window_s:g} | {len(group)} | {mean('requests_waiting'):.1f} "
-            f"| {mean('gpu_decodes'):.1f} / {mean('cpu_decodes'):.1f} | {mean('requests_cpu_decode'):.1f} "
-            f"| {sum(1 for r in group if r['prefill_tokens'])} "
-            f"| {statistics.median(r['cpu_correction'] for r in group):.2f} "
-            f"| {statistics.median(r['offload_slowdown'] for r in group):.2f} |"
+            f"| {index * window_s:g} | {len(group)} | {_mean(group, 'requests_waiting'):.1f} "
+            f"| {_mean(group, 'gpu_decodes'):.1f} / {_mean(group, 'cpu_decodes'):.1f} "
+            f"| {_mean(group, 'requests_cpu_decode'):.1f} | {sum(1 for r in group if r['prefill_tokens'])} "
+            f"| {_median(group, 'cpu_correction'):.2f} | {_median(group, 'offload_slowdown'):.2f} |"
         )
     return lines
 
@@ -96,9 +102,9 @@ def summary(label: str, rows: list[dict]) -> str:
     last = rows[-1]
     return (
         f"{label.strip()}: {len(rows)} iterations over {last['t'] - rows[0]['t']:.1f} s, steps "
-        f"{sum(r['measured_s'] for r in rows):.1f} s, scheduling {sum(r['schedule_s'] for r in rows):.2f} s "
-        f"(swaps {sum(r['swap_s'] for r in rows):.2f} s), decode rows GPU / CPU "
-        f"{sum(r['gpu_decodes'] for r in rows)} / {sum(r['cpu_decodes'] for r in rows)}, preemptions "
+        f"{_total(rows, 'measured_s'):.1f} s, scheduling {_total(rows, 'schedule_s'):.2f} s "
+        f"(swaps {_total(rows, 'swap_s'):.2f} s), decode rows GPU / CPU "
+        f"{_total(rows, 'gpu_decodes')} / {_total(rows, 'cpu_decodes')}, preemptions "
         f"{last['preemptions_by_cause'] or 0}"
     )
 

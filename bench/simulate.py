@@ -94,8 +94,13 @@ FITS = {
 
 def setting(name: str, fit: Fit, gpu_flops: float = 55e12) -> tuple[Roofline, int, float]:
     """(cost model, device KV blocks, host KV GiB) of the emulated settings on a machine's fit."""
-    terms = dict(gpu_bw=fit.gpu_bw, gpu_flops=gpu_flops, cpu_bw=fit.host_bw, cpu_fixed_s=fit.host_fixed_s)
-    terms["pipelined_extra_s"] = fit.pipelined_extra_s
+    terms = dict(
+        gpu_bw=fit.gpu_bw,
+        gpu_flops=gpu_flops,
+        cpu_bw=fit.host_bw,
+        cpu_fixed_s=fit.host_fixed_s,
+        pipelined_extra_s=fit.pipelined_extra_s,
+    )
     if name == "a10g":  # Llama-3-8B (GQA 8 KV heads), 24 GB: 3606 blocks as bench/serving.py sizes it
         return Roofline(16.06e9, 2 * 32 * 8 * 128 * 2, **terms), 3606, 32.0
     if name == "t4mem":  # Llama-2-7B (MHA), 16 GB
