@@ -9,8 +9,10 @@ advances; the swap-outs started after a step (which overlap the device's work) l
 model observes each step as the engine's does, so it learns what its formulas miss. The cost model is built
 from a device's bandwidth and matrix rate and the host's attention bandwidth and hand-off cost (`Roofline`),
 fitted to a machine's 8-SM partition and 16-core host as measured (`Fit`: `--fit h200`, the default, or `--fit
-h100`; bench/RESULTS.md). A design tool for the policy, run in seconds on a laptop; it says nothing about the
-engine's own overheads beyond the fitted terms, which only `bench/serving.py` on the GPU measures.
+h100`; bench/RESULTS.md). `--iteration-log FILE` writes each iteration as `bench/serving.py --iteration-log`
+does, for `bench/iterations.py` to set beside a measured run. A design tool for the policy, run in seconds on a
+laptop; it says nothing about the engine's own overheads beyond the fitted terms, which only `bench/serving.py`
+on the GPU measures.
 """
 
 from __future__ import annotations
@@ -115,7 +117,38 @@ def iteration_time(roof: Roofline, perf: PerfModel, out: SchedulerOutput) -> flo
     return step + (roof.pipelined_extra_s if out.pipelined else 0.0)
 
 
-def simulate(policy: str, roof: Roofline, gpu_blocks: int, cpu_gb: float, trace, knobs: dict) -> tuple[list, dict]:
+def log_row(sched: Scheduler, out: SchedulerOutput, clock: float, step: float, swap_s: float) -> dict:
+    """One iteration as `bench/serving.py --iteration-log` records it (the keys `bench/iterations.py` reads), so a
+    simulated run and a measured one compare kind by kind. The host's attention takes what the model gives it."""
+    perf = sched.perf
+    cpu_ctx = [len(s.token_ids) for s in out.cpu_decodes]
+    return {
+        "t": round(clock, 4),
+        "mode": out.mode,
+        "prefill_tokens": sum(n for _, n in out.prefills),
+        "gpu_decodes": len(out.gpu_decodes),
+        "cpu_decodes": len(out.cpu_decodes),
+        "split": out.split if out.pipelined else None,
+        "predicted_s": round(out.predicted_time, 6),
+        "measured_s": round(step, 6),
+        "predicted_cpu_s": round(out.predicted_cpu_time, 6),
+        "measured_cpu_s": round(perf.cpu_attention(len(cpu_ctx), sum(cpu_ctx)) if perf else 0.0, 6),
+        "schedule_s": round(swap_s, 6),
+        "swap_s": round(swap_s, 6),
+        "requests_waiting": len(sched.waiting),
+        "requests_gpu_decode": len(sched.running),
+        "requests_cpu_decode": len(sched.cpu_running),
+        "preemptions_by_cause": dict(sched.preemptions),
+        "cpu_correction": round(perf.cpu_correction, 3) if perf else None,
+        "offload_slowdown": round(perf.offload_slowdown, 3) if perf else None,
+    }
+
+
+def simulate(
+    policy: str, roof: Roofline, gpu_blocks: int, cpu_gb: float, trace, knobs: dict, log: list[dict] | None = None
+) -> tuple[list, dict]:
+    """(records, stats) of one policy over `trace`; each iteration's row appended to `log`, where given, as the
+    engine's iteration log has it (`log_row`)."""
     config = EngineConfig(offload_policy=policy, block_size=BLOCK_SIZE, **knobs)
     block_bytes = roof.kv_bytes_per_token * BLOCK_SIZE
     cpu_blocks = int(cpu_gb * 2**30 // block_bytes) if policy != "never" else 0
@@ -144,7 +177,10 @@ def simulate(policy: str, roof: Roofline, gpu_blocks: int, cpu_gb: float, trace,
         swapped = sum(len(swap.device_blocks) for swap in out.swap_in + out.swap_out)
         step = iteration_time(roof, perf, out)
         perf.observe_iteration(out.predicted_time, step, bool(out.cpu_decodes))  # as the engine corrects its model
-        clock += step + swapped * block_bytes / SWAP_BYTES_PER_S
+        swap_s = swapped * block_bytes / SWAP_BYTES_PER_S
+        clock += step + swap_s
+        if log is not None:
+            log.append(log_row(sched, out, clock, step, swap_s))
         stats["iterations"] += 1
         stats["gpu_decode_rows"] += len(out.gpu_decodes)
         stats["cpu_decode_rows"] += len(out.cpu_decodes)
@@ -210,6 +246,12 @@ def main() -> int:
         help="an EngineConfig knob, e.g. --knob cpu_latency_slack 2",
     )
     parser.add_argument("--json", type=Path)
+    parser.add_argument(
+        "--iteration-log",
+        type=Path,
+        help="JSON lines of every simulated iteration, as bench/serving.py --iteration-log writes them "
+        "(read them with bench/iterations.py)",
+    )
     args = parser.parse_args()
     overrides = {name: getattr(args, name) for name in Fit.__dataclass_fields__ if getattr(args, name) is not None}
     roof, gpu_blocks, cpu_gb = setting(args.setting, replace(FITS[args.fit], **overrides))
@@ -217,12 +259,16 @@ def main() -> int:
     knobs = EngineConfig.from_strings(dict(args.knob)).__dict__
     knobs = {k: knobs[k] for k, _ in args.knob}
     results: dict[str, list[dict]] = {}
+    iteration_rows: list[dict] = []
     for policy in args.policies:
         results[policy] = []
         for rate in args.rates:
             num = trace_length(rate, args.seconds_per_rate, args.num_requests)
             trace = make_trace(num, rate, "a10g", 1000, int(rate * 1000))
-            records, stats = simulate(policy, roof, gpu_blocks, cpu_gb, trace, knobs)
+            log: list[dict] = []
+            records, stats = simulate(policy, roof, gpu_blocks, cpu_gb, trace, knobs, log)
+            label = f"{policy} rate {rate:6.2f}"  # as bench/serving.py labels its runs
+            iteration_rows.extend({"run": label, **row} for row in log)
             measured = [r for r in records if r.start >= args.warmup_seconds]
             row = {"rate": rate, **summarize(measured), "stats": stats}
             results[policy].append(row)
@@ -239,6 +285,8 @@ def main() -> int:
     print(json.dumps(metric))
     if args.json:
         args.json.write_text(json.dumps({"metric": metric, "results": results}, indent=1))
+    if args.iteration_log:
+        args.iteration_log.write_text("".join(json.dumps(row) + "\n" for row in iteration_rows))
     return 0
 
 
