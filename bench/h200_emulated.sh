@@ -11,8 +11,9 @@
 #   bash bench/h200_emulated.sh e_offline          # (e) offline
 #   bash bench/h200_emulated.sh e_always e_sequential  # (e): never against always; its sequential iterations
 #   bash bench/h200_emulated.sh e_swap             # (e): one request's swap, alone and beside CPU attention
-# (e) runs on 8 SMs, twice a T4's bandwidth: the smallest partition. The policies of a setting share one engine
-# (bench/serving.py); settings run one after another, as every partition is the device's first 8 SMs.
+# (e) runs `auto` at `cpu_latency_slack` 2 (E_SLACK=K for another) on 8 SMs, twice a T4's bandwidth: the
+# smallest partition. The policies of a setting share one engine (bench/serving.py); settings run one after
+# another, as every partition is the device's first 8 SMs.
 # Results in $OUT. TOKENIZER names a tokenizer directory, as for bench/h200.sh.
 set -u
 export PYTHONUNBUFFERED=1 OUT="${OUT:-bench/results/tmp}"
@@ -21,7 +22,7 @@ TOKENIZER="${TOKENIZER:?set TOKENIZER to a tokenizer directory: the dummy shapes
 step() { local limit=$1; shift; echo "=== $* (limit ${limit}s)"; timeout "$limit" "$@"; echo "=== exit $?"; }
 SERVE=(python3 bench/serving.py --policies never auto --gpu-sm-count 8 --tokenizer "$TOKENIZER")
 SERVE_E=("${SERVE[@]}" --model bench/configs/llama2-7b --load-format dummy --gpu-memory-gb 16 --cpu-kv-cache-gb 48 \
-    --cpu-latency-slack 2 --warmup-seconds 20)
+    --cpu-latency-slack "${E_SLACK:-2}" --warmup-seconds 20)
 serve_e() {  # NAME LIMIT SECONDS_PER_RATE RATE...: one part of (e)'s sweep, its report and iteration log
   local name=$1 limit=$2 seconds=$3; shift 3
   step "$limit" "${SERVE_E[@]}" --rates "$@" --seconds-per-rate "$seconds" \
