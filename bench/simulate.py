@@ -265,10 +265,10 @@ def main() -> int:
         for rate in args.rates:
             num = trace_length(rate, args.seconds_per_rate, args.num_requests)
             trace = make_trace(num, rate, "a10g", 1000, int(rate * 1000))
-            log: list[dict] = []
+            log: list[dict] | None = [] if args.iteration_log else None
             records, stats = simulate(policy, roof, gpu_blocks, cpu_gb, trace, knobs, log)
             label = f"{policy} rate {rate:6.2f}"  # as bench/serving.py labels its runs
-            iteration_rows.extend({"run": label, **row} for row in log)
+            iteration_rows.extend({"run": label, **row} for row in log or [])
             measured = [r for r in records if r.start >= args.warmup_seconds]
             row = {"rate": rate, **summarize(measured), "stats": stats}
             results[policy].append(row)
