@@ -270,6 +270,11 @@ def main() -> int:
             label = f"{policy} rate {rate:6.2f}"  # as bench/serving.py labels its runs
             iteration_rows.extend({"run": label, **row} for row in log or [])
             measured = [r for r in records if r.start >= args.warmup_seconds]
+            if not measured:
+                raise SystemExit(
+                    f"rate {rate}: every request arrives within --warmup-seconds {args.warmup_seconds:g}; "
+                    "lengthen the trace (--seconds-per-rate, --num-requests) or shorten the warm-up"
+                )
             row = {"rate": rate, **summarize(measured), "stats": stats}
             results[policy].append(row)
             print(
