@@ -194,6 +194,8 @@ def summarize(records: list[Record]) -> dict:
         "requests_per_s": len(done) / span,
         "output_tokens_per_s": sum(r.tokens for r in done) / span,
         "mean_per_token_latency_s": statistics.mean((r.end - r.start) / r.tokens for r in done) if done else None,
+        # the part of it spent after the first token: the rest is the wait for it (queue and prefill)
+        "mean_per_token_decode_s": statistics.mean((r.end - r.first) / r.tokens for r in done) if done else None,
         "ttft_p50_s": pct(ttft, 50),
         "ttft_p99_s": pct(ttft, 99),
         "tpot_p50_s": pct(tpot, 50),

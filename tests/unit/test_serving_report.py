@@ -53,3 +53,17 @@ def test_reports_of_different_settings_or_a_rate_measured_twice_do_not_merge(tmp
         serving.merge_reports([light, write(tmp_path, "other", {0.4}, num_gpu_blocks=3606)], 1.5)
     with pytest.raises(SystemExit, match="more than once"):
         serving.merge_reports([light, write(tmp_path, "again", {0.3, 0.4})], 1.5)
+
+
+def test_the_paper_metric_splits_into_the_wait_for_the_first_token_and_decoding():
+    """Mean per-token latency is the mean over requests of (end - start) / tokens; its decode part leaves the wait
+    for the first token out. A failed request counts in neither."""
+    records = [
+        serving.Record(start=0.0, first=1.0, end=3.0, tokens=4),  # 0.75 a token, 0.5 of it decoding
+        serving.Record(start=1.0, first=1.5, end=2.5, tokens=2),  # 0.75 a token, 0.5 of it decoding
+        serving.Record(start=2.0, first=2.1, end=2.3, tokens=1, error="aborted"),
+    ]
+    summary = serving.summarize(records)
+    assert summary["completed"] == 2 and summary["failed"] == 1
+    assert summary["mean_per_token_latency_s"] == pytest.approx(0.75)
+    assert summary["mean_per_token_decode_s"] == pytest.approx(0.5)
