@@ -119,9 +119,7 @@ def iteration_time(roof: Roofline, perf: PerfModel, out: SchedulerOutput) -> flo
 
 def log_row(sched: Scheduler, out: SchedulerOutput, clock: float, step: float, swap_s: float) -> dict:
     """One iteration as `bench/serving.py --iteration-log` records it (the keys `bench/iterations.py` reads), so a
-    simulated run and a measured one compare kind by kind. The host's attention takes what the model gives it."""
-    perf = sched.perf
-    cpu_ctx = [len(s.token_ids) for s in out.cpu_decodes]
+    simulated run and a measured one compare kind by kind. The host's attention takes what the model predicts."""
     return {
         "t": round(clock, 4),
         "mode": out.mode,
@@ -132,15 +130,15 @@ def log_row(sched: Scheduler, out: SchedulerOutput, clock: float, step: float, s
         "predicted_s": round(out.predicted_time, 6),
         "measured_s": round(step, 6),
         "predicted_cpu_s": round(out.predicted_cpu_time, 6),
-        "measured_cpu_s": round(perf.cpu_attention(len(cpu_ctx), sum(cpu_ctx)) if perf else 0.0, 6),
+        "measured_cpu_s": round(out.predicted_cpu_time, 6),
         "schedule_s": round(swap_s, 6),
         "swap_s": round(swap_s, 6),
         "requests_waiting": len(sched.waiting),
         "requests_gpu_decode": len(sched.running),
         "requests_cpu_decode": len(sched.cpu_running),
         "preemptions_by_cause": dict(sched.preemptions),
-        "cpu_correction": round(perf.cpu_correction, 3) if perf else None,
-        "offload_slowdown": round(perf.offload_slowdown, 3) if perf else None,
+        "cpu_correction": round(sched.perf.cpu_correction, 3),
+        "offload_slowdown": round(sched.perf.offload_slowdown, 3),
     }
 
 
