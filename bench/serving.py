@@ -183,6 +183,11 @@ def decode_batches(before: dict, after: dict) -> dict:
     }
 
 
+def rate_label(rate: float) -> str:
+    """How a rate's run is named in the printout and in the iteration log (after its policy)."""
+    return f"rate {rate:6.2f}"
+
+
 def summarize(records: list[Record]) -> dict:
     done = [r for r in records if r.end and not r.error and r.tokens]
     span = max(r.end for r in done) - min(r.start for r in done) if done else float("nan")
@@ -351,7 +356,7 @@ def main() -> int:
         replay(front, make_trace(8, 100.0, args.workload, vocab, 7, tuple(args.fixed)), args.timeout)
         results[policy] = []
         for rate, trace in traces:
-            results[policy].append({"rate": rate, **run(policy, f"rate {rate:6.2f}", trace)})
+            results[policy].append({"rate": rate, **run(policy, rate_label(rate), trace)})
             save()
         if args.offline:
             trace = make_trace(args.offline, float("inf"), args.workload, vocab, 1, tuple(args.fixed))

@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from serving import Record, make_trace, paper_metric, summarize, trace_length  # noqa: E402
+from serving import Record, make_trace, paper_metric, rate_label, summarize, trace_length  # noqa: E402
 
 from neo_backend import EngineConfig, SamplingParams  # noqa: E402
 from neo_backend.core.block_manager import BlockManager  # noqa: E402
@@ -265,8 +265,7 @@ def main() -> int:
             trace = make_trace(num, rate, "a10g", 1000, int(rate * 1000))
             log: list[dict] | None = [] if args.iteration_log else None
             records, stats = simulate(policy, roof, gpu_blocks, cpu_gb, trace, knobs, log)
-            label = f"{policy} rate {rate:6.2f}"  # as bench/serving.py labels its runs
-            iteration_rows.extend({"run": label, **row} for row in log or [])
+            iteration_rows.extend({"run": f"{policy} {rate_label(rate)}", **row} for row in log or [])
             measured = [r for r in records if r.start >= args.warmup_seconds]
             if not measured:
                 raise SystemExit(
