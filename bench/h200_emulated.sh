@@ -5,13 +5,14 @@
 #   bash bench/h200_emulated.sh tests roofline c   # CUDA tests of the partition, its roofline, (c) full H200
 #   bash bench/h200_emulated.sh d d_offline        # (d) A10G-class: Llama-3-8B shape, 24 GB, never and auto
 #   bash bench/h200_emulated.sh e_light            # (e) T4-class memory: Llama-2-7B shape (MHA), 16 GB; the sweep
-#   bash bench/h200_emulated.sh e_knee             # in three calls, each rate's trace long enough for GPU-only's
-#   bash bench/h200_emulated.sh e_saturated        # queue to build where it cannot keep up, then one report:
-#     python3 bench/serving.py --merge .../h200_serving_e_t4mem_{light,knee,saturated}.json --json REPORT
+#   bash bench/h200_emulated.sh e_mid              # in one call a step, each rate's trace long enough for GPU-only's
+#   bash bench/h200_emulated.sh e_knee             # queue to build where it cannot keep up, then one report of the
+#   bash bench/h200_emulated.sh e_saturated        # parts run:
+#     python3 bench/serving.py --merge .../h200_serving_e_t4mem_{light,mid,knee,saturated}.json --json REPORT
 #   bash bench/h200_emulated.sh e_offline          # (e) offline
 #   bash bench/h200_emulated.sh e_always e_sequential  # (e): never against always; its sequential iterations
 #   bash bench/h200_emulated.sh e_swap             # (e): one request's swap, alone and beside CPU attention
-# (e) runs `auto` at `cpu_latency_slack` 2 (E_SLACK=K for another) on 8 SMs, twice a T4's bandwidth: the
+# (e) runs `auto` at `cpu_latency_slack` 3 (E_SLACK=K for another) on 8 SMs, twice a T4's bandwidth: the
 # smallest partition. The policies of a setting share one engine (bench/serving.py); settings run one after
 # another, as every partition is the device's first 8 SMs.
 # Results in $OUT. TOKENIZER names a tokenizer directory, as for bench/h200.sh.
@@ -22,7 +23,7 @@ TOKENIZER="${TOKENIZER:?set TOKENIZER to a tokenizer directory: the dummy shapes
 step() { local limit=$1; shift; echo "=== $* (limit ${limit}s)"; timeout "$limit" "$@"; echo "=== exit $?"; }
 SERVE=(python3 bench/serving.py --policies never auto --gpu-sm-count 8 --tokenizer "$TOKENIZER")
 SERVE_E=("${SERVE[@]}" --model bench/configs/llama2-7b --load-format dummy --gpu-memory-gb 16 --cpu-kv-cache-gb 48 \
-    --cpu-latency-slack "${E_SLACK:-2}" --warmup-seconds 20)
+    --cpu-latency-slack "${E_SLACK:-3}" --warmup-seconds 20)
 serve_e() {  # NAME LIMIT SECONDS_PER_RATE RATE...: one part of (e)'s sweep, its report and iteration log
   local name=$1 limit=$2 seconds=$3; shift 3
   step "$limit" "${SERVE_E[@]}" --rates "$@" --seconds-per-rate "$seconds" \
@@ -48,6 +49,7 @@ serve_e() {  # NAME LIMIT SECONDS_PER_RATE RATE...: one part of (e)'s sweep, its
         step 300 "${SERVE[@]}" --gpu-memory-gb 24 --rates --offline 40 --cpu-kv-cache-gb 32 \
             --json "$OUT/h200_serving_d_a10g_offline.json" ;;
       e_light) serve_e light 540 90 0.1 0.3 ;;
+      e_mid) serve_e mid 340 100 0.33 ;;
       e_knee) serve_e knee 520 120 0.35 ;;
       e_saturated) serve_e saturated 540 90 0.4 0.5 ;;
       e_offline)

@@ -27,11 +27,11 @@ SCENARIOS = {  # name: (default input, title)
     "d_a10g": (RESULTS / "h200_serving_d_a10g.json", "(d) emulated A10G: 8 of 132 SMs, 24 GB, Llama-3-8B shape"),
     "e_t4mem": (
         RESULTS / "h200_serving_e_t4mem.json",
-        "(e) emulated T4 memory: 8 SMs (twice a T4's bandwidth), 16 GB, Llama-2-7B shape",
+        "(e) emulated T4 memory: 8 SMs (twice a T4's bandwidth), 16 GB, Llama-2-7B shape, steady state, slack 3",
     ),
     "e_t4mem_h100": (
         RESULTS / "h100_serving_e_t4mem.json",
-        "(e) emulated T4 memory on an H100: 8 of 132 SMs, 16 GB, Llama-2-7B shape, steady-state traces",
+        "(e) emulated T4 memory on an H100: 8 of 132 SMs, 16 GB, Llama-2-7B shape, steady state, slack 2",
     ),
     "e_t4mem_always": (
         RESULTS / "h200_serving_e_t4mem_always.json",

@@ -87,8 +87,9 @@ class Fit:
 
 
 FITS = {
-    # one decode 16.9 ms; 2 GPU + 1 / 2 CPU decodes (context ~1.2k) 25.4 / 30.3 ms against 18.3; no pipelined ones
-    "h200": Fit(gpu_bw=850e9, host_bw=128e9, host_fixed_s=2.2e-3, pipelined_extra_s=0.0),
+    # one decode 16.9 ms; 2 GPU + 1 / 2 / 3 CPU decodes (context ~1.2k) 25.7 / 30.1 / 37.0 ms against 18.3;
+    # pipelined 2 + 4 / 5 / 6 / 7 40.1 / 40.1 / 41.6 / 45.7 ms
+    "h200": Fit(gpu_bw=850e9, host_bw=128e9, host_fixed_s=3.6e-3, pipelined_extra_s=5.0e-3),
     # one decode 20.0 ms; 2 GPU + 1 / 2 / 3 CPU decodes 29.8 / 34.9 / 40.0 ms against 21.4; pipelined 46-47 ms
     "h100": Fit(gpu_bw=710e9, host_bw=123e9, host_fixed_s=4.2e-3, pipelined_extra_s=4.5e-3),
 }
