@@ -37,8 +37,8 @@ from neo_backend.core.sequence import Sequence  # noqa: E402
 from neo_backend.executor.profiler import DENSE_PROFILE_TOKENS  # noqa: E402
 
 BLOCK_SIZE = 16
-SWAP_BYTES_PER_S = 15e9  # a swap as the scheduler waits for it: 27-55 ms per 577-700 MB request in serving
-# (setting (e) on the H200: the copy, and the gather or scatter on the host side)
+SWAP_BYTES_PER_S = 46e9  # a swap as the step waits for it on the device: the copy between the pinned host
+# pool and the device, 12-14 ms per 579 MB request (bench/swap.py, setting (e)'s shape)
 
 
 @dataclass

@@ -5,14 +5,12 @@ next iteration's CPU decodes run, and a swap-in follows them).
 
     python bench/swap.py --device cuda --model bench/configs/llama2-7b --context 1100 --busy-host
 
-Per condition, medians over --reps of: the swap-in (host blocks gathered into pinned staging on the calling
-thread, copied up and scattered into the device pool; timed to the device's end), the swap-out's launch (the
-device-side gather and the copy down) and its completion (the scatter into the host pool on the calling
-thread). Each condition's first round trip is timed apart (`first`); the first condition's meets the staging
-fresh, as a server's first swaps do. `--busy-host` repeats them while another thread runs the engine's CPU
-attention iterations (`HostAttention.run_iteration`: append + attention in every layer, --busy-requests at the
-same context) in a loop, with the engine's default team size; the swaps' host-side copies use a team of that size
-too, as in the engine.
+Per condition, medians over --reps of each swap's launch (the calling thread's time: the engine thread's cost
+in serving) and its time to the device's end (copies landed): a swap-in copies the request's host block runs up
+and scatters them into the device pool; a swap-out gathers its device blocks and copies them down into host
+block runs. Each condition's first round trip is timed apart (`first`). `--busy-host` repeats them while another
+thread runs the engine's CPU attention iterations (`HostAttention.run_iteration`: append + attention in every
+layer, --busy-requests at the same context) in a loop, with the engine's default team size.
 """
 
 from __future__ import annotations
@@ -80,20 +78,25 @@ def time_swaps(swapper: BlockSwapper, device: torch.device, host_ids: list[list[
     """Median seconds of each part over `reps` round trips, alternating between two sets of host blocks, after a
     first round trip timed apart (`first`)."""
     device_ids = list(range(len(host_ids[0])))
-    parts: dict[str, list[float]] = {"swap_in": [], "swap_out_launch": [], "swap_out_complete": []}
+    parts: dict[str, list[float]] = {"swap_in_launch": [], "swap_in": [], "swap_out_launch": [], "swap_out": []}
     for rep in range(reps + 1):
         src, dst = host_ids[rep % 2], host_ids[(rep + 1) % 2]
         sync(device)
         start = time.perf_counter()
         swapper.swap_in(src, device_ids)
+        launched_in = time.perf_counter()
+        swapper.wait_swap_in()
         sync(device)
         swapped_in = time.perf_counter()
         swapper.swap_out("bench", device_ids, dst)
-        launched = time.perf_counter()
+        launched_out = time.perf_counter()
         swapper.complete(wait=True)
-        completed = time.perf_counter()
-        for name, seconds in zip(parts, (swapped_in - start, launched - swapped_in, completed - launched)):
-            parts[name].append(seconds)
+        sync(device)
+        swapped_out = time.perf_counter()
+        ends = (launched_in, swapped_in, launched_out, swapped_out)
+        starts = (start, start, swapped_in, swapped_in)
+        for name, begin, end in zip(parts, starts, ends):
+            parts[name].append(end - begin)
     times = {name: statistics.median(values[1:]) for name, values in parts.items()}
     times["first"] = {name: values[0] for name, values in parts.items()}
     return times
@@ -108,6 +111,9 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=6)
     parser.add_argument("--busy-host", action="store_true", help="also time the swaps beside CPU attention")
     parser.add_argument("--busy-requests", type=int, default=1)
+    parser.add_argument(
+        "--scattered", action="store_true", help="no two host blocks of the request adjacent: a copy per block"
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
 
@@ -115,14 +121,16 @@ def main() -> None:
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     per_seq = -(-args.context // BLOCK_SIZE)
     busy_blocks = args.busy_requests * per_seq if args.busy_host else 0
-    host = HostKVCache(cfg, busy_blocks + 2 * per_seq, BLOCK_SIZE, dtype)
+    host = HostKVCache(cfg, busy_blocks + 2 * per_seq, BLOCK_SIZE, dtype, pin=device.type == "cuda")
     shape = (per_seq, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim)
     device_k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
     device_v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
     attention = HostAttention(host, cfg.head_dim**-0.5, device, None, None, TensorParallel())
-    # the engine's team, and staging for two requests as the engine sizes it
-    swapper = BlockSwapper(device_k, device_v, host, device, attention.kernels, 2 * per_seq)
-    host_ids = [list(range(busy_blocks + i * per_seq, busy_blocks + (i + 1) * per_seq)) for i in range(2)]
+    swapper = BlockSwapper(device_k, device_v, host, device)
+    if args.scattered:
+        host_ids = [list(range(busy_blocks + i, busy_blocks + 2 * per_seq, 2)) for i in range(2)]
+    else:
+        host_ids = [list(range(busy_blocks + i * per_seq, busy_blocks + (i + 1) * per_seq)) for i in range(2)]
     request_bytes = 2 * cfg.num_layers * per_seq * device_k[0][0].numel() * dtype.itemsize
 
     results = {"args": {k: str(v) for k, v in vars(args).items()}, "request_bytes": request_bytes}
@@ -141,9 +149,9 @@ def main() -> None:
         results[condition] = times
         for label, part in ((condition, times), ("first", times["first"])):
             print(
-                f"{label:>9}: swap-in {1e3 * part['swap_in']:.1f} ms "
-                f"({request_bytes / part['swap_in'] / 1e9:.1f} GB/s), swap-out launch "
-                f"{1e3 * part['swap_out_launch']:.1f} ms, completion {1e3 * part['swap_out_complete']:.1f} ms"
+                f"{label:>9}: swap-in {1e3 * part['swap_in']:.1f} ms ({request_bytes / part['swap_in'] / 1e9:.1f} "
+                f"GB/s; launch {1e3 * part['swap_in_launch']:.1f} ms), swap-out {1e3 * part['swap_out']:.1f} ms "
+                f"({request_bytes / part['swap_out'] / 1e9:.1f} GB/s; launch {1e3 * part['swap_out_launch']:.1f} ms)"
             )
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))

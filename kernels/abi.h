@@ -7,7 +7,7 @@
 namespace neo {
 
 // Bumped whenever a signature or a number of the ABI changes; the Python binding refuses a mismatched library.
-constexpr int kAbiVersion = 4;
+constexpr int kAbiVersion = 5;
 
 enum DType : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
 

@@ -302,27 +302,6 @@ NEO_API int neo_append_kv(const void* k, const void* v, void* k_cache, void* v_c
   return kOk;
 }
 
-// Copies `count` blocks of `block_bytes` each, block src_ids[i] of `src` to block dst_ids[i] of `dst`: a swap's
-// gather from the host KV pool into staging, or its scatter back. Each block is split into pieces of at most
-// kCopyPiece bytes, so a few large blocks still keep every thread of the team busy.
-NEO_API int neo_copy_blocks(void* dst, const int64_t* dst_ids, const void* src, const int64_t* src_ids, int64_t count,
-                            int64_t block_bytes, int num_threads) {
-  if (count < 0 || block_bytes < 0 || num_threads < 1) return kBadArgument;
-  if (count == 0 || block_bytes == 0) return kOk;
-  if (!dst || !src || !dst_ids || !src_ids) return kBadArgument;
-  constexpr int64_t kCopyPiece = 32 << 10;
-  const int64_t pieces = (block_bytes + kCopyPiece - 1) / kCopyPiece;
-  auto* to = static_cast<char*>(dst);
-  const auto* from = static_cast<const char*>(src);
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-  for (int64_t job = 0; job < count * pieces; ++job) {
-    const int64_t block = job / pieces, offset = job % pieces * kCopyPiece;
-    std::memcpy(to + dst_ids[block] * block_bytes + offset, from + src_ids[block] * block_bytes + offset,
-                size_t(std::min(kCopyPiece, block_bytes - offset)));
-  }
-  return kOk;
-}
-
 // STREAM-like read: sums n floats with num_threads threads (static split, same ISA path as the kernel).
 // The sum is returned so the reads cannot be optimised away.
 NEO_API double neo_stream_read(const float* p, size_t n, int num_threads) {

@@ -374,8 +374,10 @@ class LLMEngine:
         self.scheduler.disable_offload()
 
     def _land_swap_outs(self) -> None:
-        """Wait for every swap-out in flight, before host blocks it writes into are freed."""
-        self.scheduler.swaps_landed(self.runner.land_swap_outs(wait=True))
+        """Land every swap-out in flight (the compute stream waits for its copies), before host blocks it writes
+        into are freed; also from `abort`, outside a step."""
+        with self.runner.device_scope():
+            self.scheduler.swaps_landed(self.runner.land_swap_outs(wait=True))
 
     def generate(
         self, prompts: Iterable[str | list[int]], params: SamplingParams | Mapping[str, Any] | None = None

@@ -7,7 +7,7 @@ from enum import IntEnum
 
 import torch
 
-ABI_VERSION = 4
+ABI_VERSION = 5
 
 
 class DType(IntEnum):

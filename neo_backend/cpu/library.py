@@ -34,8 +34,6 @@ def load(path: pathlib.Path) -> ctypes.CDLL:
     lib.neo_paged_attention.restype = i
     lib.neo_append_kv.argtypes = [p, p, p, p, p, i, ctypes.c_size_t]
     lib.neo_append_kv.restype = i
-    lib.neo_copy_blocks.argtypes = [p, p, p, p, ctypes.c_int64, ctypes.c_int64, i]
-    lib.neo_copy_blocks.restype = i
     lib.neo_stream_read.argtypes = [p, ctypes.c_size_t, i]
     lib.neo_stream_read.restype = ctypes.c_double
     lib.neo_set_isa.argtypes = [i]

@@ -7,7 +7,6 @@ q's dtype (all arithmetic is fp32; pass fp32 q to get unrounded fp32 output from
 from __future__ import annotations
 
 import ctypes
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,7 +19,6 @@ from .validation import (
     AttentionShape,
     check_append,
     check_attention,
-    check_copy_blocks,
     check_iteration,
     check_thread_count,
 )
@@ -108,23 +106,6 @@ class Kernels:
                 k.shape[0],
                 k.shape[1] * k.shape[2] * k.element_size(),
             )
-
-    def copy_blocks(self, dst: torch.Tensor, dst_ids: torch.Tensor, src: torch.Tensor, src_ids: torch.Tensor) -> None:
-        """dst[dst_ids[i]] = src[src_ids[i]] for every i: whole blocks (the first dimension) of two contiguous
-        host tensors with the same block shape and dtype; ids int64. A swap's gather from the host KV pool into
-        staging, or its scatter back, at memcpy speed on the team (torch's `index_copy_` runs far slower)."""
-        check_copy_blocks(dst, dst_ids, src, src_ids)
-        status = self.lib.neo_copy_blocks(
-            dst.data_ptr(),
-            dst_ids.data_ptr(),
-            src.data_ptr(),
-            src_ids.data_ptr(),
-            src_ids.numel(),
-            math.prod(src.shape[1:]) * src.element_size(),
-            self.num_threads,
-        )
-        if status != Status.OK:
-            raise KernelError(f"copy_blocks failed in the library: {_describe(status)}")
 
     def decode_iteration(
         self,

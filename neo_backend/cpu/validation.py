@@ -149,22 +149,6 @@ def check_append(
         )
 
 
-def check_copy_blocks(dst: object, dst_ids: object, src: object, src_ids: object) -> None:
-    """The arguments of `Kernels.copy_blocks`, which documents them."""
-    if not isinstance(src, torch.Tensor) or src.dim() < 1:
-        raise KernelInputError(f"src must be a torch.Tensor of blocks, got {type(src).__name__}")
-    check_tensor("src", src, src.dim(), (src.dtype,))
-    check_tensor("dst", dst, src.dim(), (src.dtype,))
-    if dst.shape[1:] != src.shape[1:]:
-        raise KernelInputError(f"dst blocks {tuple(dst.shape[1:])} and src blocks {tuple(src.shape[1:])} differ")
-    for name, ids, pool in (("src_ids", src_ids, src), ("dst_ids", dst_ids, dst)):
-        check_tensor(name, ids, 1, (torch.int64,))
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= pool.shape[0]):
-            raise KernelInputError(f"{name} holds a block outside [0, {pool.shape[0]})")
-    if src_ids.numel() != dst_ids.numel():
-        raise KernelInputError(f"src_ids has {src_ids.numel()} blocks, dst_ids {dst_ids.numel()}")
-
-
 def check_iteration(
     k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], lanes: list[IterationLane], done: Flags, scale: float
 ) -> list[AttentionShape]:

@@ -1,4 +1,4 @@
-"""NEO's host KV pool: per-layer K/V blocks in host memory, on transparent huge pages."""
+"""NEO's host KV pool: per-layer K/V blocks in host memory, on transparent huge pages (pinned on CUDA)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import logging
 import math
 import sys
 import time
+import weakref
 
 import torch
 
@@ -17,25 +18,30 @@ log = logging.getLogger("neo_backend")
 
 HUGE_PAGE_BYTES = 2**21
 MADV_HUGEPAGE = 14  # Linux
+CUDA_HOST_REGISTER_PORTABLE = 1
 
 
 class HostKVCache:
-    """Per-layer host K/V tensors [num_blocks, block_size, Hkv, D] on transparent huge pages.
+    """Per-layer host K/V tensors [num_blocks, block_size, Hkv, D]: views of one pool on transparent huge pages.
 
-    Only the CPU touches the pool (swaps go through pinned staging buffers), so it needs no pinning; huge pages
-    matter more: the kernel reads scattered blocks, and on 4 KiB pages each 4 KiB read costs a TLB miss."""
+    The kernel reads scattered blocks, and on 4 KiB pages each 4 KiB read costs a TLB miss. With `pin` (on CUDA)
+    the pool is also page-locked and registered with the driver, so swaps copy straight between it and the
+    device (`swapper.py`); it stays registered while this object lives."""
 
-    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype) -> None:
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        nbytes = 2 * cfg.num_layers * num_blocks * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+    def __init__(
+        self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, pin: bool = False
+    ) -> None:
+        shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        nbytes = math.prod(shape) * dtype.itemsize
         check_host_memory(nbytes, "cpu_kv_cache_gb", "lower cpu_kv_cache_gb")
         start = time.monotonic()
         log.info("host KV pool: allocating and zeroing %.2f GiB", nbytes / 2**30)
         # Zeroed now, so its pages are in place before serving: a block's first write would otherwise fault them in
         # inside the CPU attention's timing (2 MiB zeroed per fault; far slower on a VM whose memory grows as it
         # is used), which the scheduler's fail-safe reads as a slow host (bench/RESULTS.md).
-        self.k_caches = [huge_page_tensor(shape, dtype).zero_() for _ in range(cfg.num_layers)]
-        self.v_caches = [huge_page_tensor(shape, dtype).zero_() for _ in range(cfg.num_layers)]
+        pool = huge_page_tensor(shape, dtype).zero_()
+        self.k_caches = [pool[layer, 0] for layer in range(cfg.num_layers)]
+        self.v_caches = [pool[layer, 1] for layer in range(cfg.num_layers)]
         self.num_blocks = num_blocks
         log.info(
             "host KV pool: %d blocks x %d tokens (%.2f GiB, transparent huge pages: %s) in %.1fs",
@@ -45,6 +51,25 @@ class HostKVCache:
             transparent_huge_page_mode(),
             time.monotonic() - start,
         )
+        if pin:
+            start = time.monotonic()
+            register_with_cuda(pool)
+            weakref.finalize(self, torch.cuda.cudart().cudaHostUnregister, pool.data_ptr())
+            log.info("host KV pool: pinned for the device's copies in %.1fs", time.monotonic() - start)
+
+
+def register_with_cuda(tensor: torch.Tensor) -> None:
+    """Page-lock a host tensor and register it with the CUDA driver for every context (the partition's too)."""
+    nbytes = tensor.numel() * tensor.element_size()
+    try:
+        torch.cuda.check_error(
+            torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, CUDA_HOST_REGISTER_PORTABLE)
+        )
+    except torch.cuda.CudaError as e:
+        raise ConfigError(
+            f"cannot pin the host KV pool ({nbytes / 2**30:.1f} GiB) for the device's copies: {e}; lower "
+            f"cpu_kv_cache_gb, or let the process lock that much memory"
+        ) from e
 
 
 def check_host_memory(nbytes: int, what: str, remedy: str) -> None:

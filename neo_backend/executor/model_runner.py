@@ -133,7 +133,8 @@ class ModelRunner:
         if num_cpu_blocks == 0:
             log.info("cpu_kv_cache_gb=%s holds no KV block: offloading is off", config.cpu_kv_cache_gb)
             return
-        self.host_cache = HostKVCache(self.rank_cfg, num_cpu_blocks, self.block_size, self.dtype)
+        pin = self.device.type == "cuda"
+        self.host_cache = HostKVCache(self.rank_cfg, num_cpu_blocks, self.block_size, self.dtype, pin)
         self.host_attention = HostAttention(
             self.host_cache,
             model_cfg.head_dim**-0.5,
@@ -147,8 +148,6 @@ class ModelRunner:
             self.v_caches,
             self.host_cache,
             self.device,
-            self.host_attention.kernels,
-            min(2 * self.max_blocks_per_seq, num_cpu_blocks),
             self.partition.stream() if self.partition else None,
         )
         self.swapper.warm_up(self.num_gpu_blocks)
@@ -228,10 +227,10 @@ class ModelRunner:
     # Swaps: the scheduler decides them, the runner carries them out and reports which swap-outs landed.
 
     def swap(self, batch: SchedulerOutput) -> None:
-        """The batch's swaps, before its step and in the order the scheduler decided them: swap-ins (read from
-        the host pool now, copied up on the swap stream, which the step waits for), the landing of swap-outs in
-        flight where a preempted request's host blocks were freed, then swap-outs whose device blocks the step
-        reuses, each landed at once."""
+        """The batch's swaps, before its step and in the order the scheduler decided them: swap-ins (copied up on
+        the swap stream, which the step waits for), the landing of swap-outs in flight where a preempted request's
+        host blocks were freed, then swap-outs whose device blocks the step reuses, each landed at once (the step
+        waits for their copies on the device)."""
         for swap in batch.swap_in:
             self.swapper.swap_in(swap.host_blocks, swap.device_blocks)
         if batch.land_swap_outs:
@@ -251,8 +250,9 @@ class ModelRunner:
         return list(self._swaps_in_flight)
 
     def land_swap_outs(self, wait: bool, only: list[str] | None = None) -> list[str]:
-        """Finish the swap-outs in flight: all (`wait`), or those whose copy has landed, or those of the requests
-        in `only` (waiting for them). Returns their request ids, in the order they started."""
+        """Land the swap-outs in flight: all (`wait`), or those whose copies have finished, or those of the
+        requests in `only`; the compute stream waits for the unfinished ones' copies (`BlockSwapper.complete`).
+        Returns their request ids, in the order they started."""
         if not self._swaps_in_flight:
             return []
         self.swapper.complete(wait, only)

@@ -11,9 +11,7 @@ from engine_helpers import collect, fixed_perf_model, mixed_requests
 
 from neo_backend import EngineConfig, LLMEngine
 from neo_backend.config import ModelConfig
-from neo_backend.cpu import library
 from neo_backend.cpu.handoff import Flags
-from neo_backend.cpu.ops import Kernels
 from neo_backend.executor import stream_waits
 from neo_backend.executor.host_pool import HostKVCache
 from neo_backend.executor.swapper import BlockSwapper
@@ -254,8 +252,8 @@ def test_decode_graph_gemms_run_on_the_library_chosen_per_shape(tiny_model_dirs)
     torch.testing.assert_close(chosen, model.layers[0].down_proj(x), rtol=2e-2, atol=2e-2)
 
 
-def _swap_pools(num_layers: int, staging_blocks: int) -> tuple[list[torch.Tensor], list[torch.Tensor], BlockSwapper]:
-    """Random device K/V pools of 64 blocks per layer, a host pool of 64 and a swapper between them."""
+def _swap_pools(num_layers: int) -> tuple[list[torch.Tensor], list[torch.Tensor], BlockSwapper]:
+    """Random device K/V pools of 64 blocks per layer, a pinned host pool of 64 and a swapper between them."""
     cfg = ModelConfig(
         vocab_size=64,
         hidden_size=1024,
@@ -268,31 +266,33 @@ def _swap_pools(num_layers: int, staging_blocks: int) -> tuple[list[torch.Tensor
     shape = (64, 16, cfg.num_kv_heads, cfg.head_dim)
     device_k = [torch.randn(shape, device="cuda", dtype=torch.float16) for _ in range(num_layers)]
     device_v = [torch.randn(shape, device="cuda", dtype=torch.float16) for _ in range(num_layers)]
-    host = HostKVCache(cfg, 64, 16, torch.float16)
-    kernels = Kernels(library.default(), 2)
-    return device_k, device_v, BlockSwapper(device_k, device_v, host, torch.device("cuda"), kernels, staging_blocks)
+    host = HostKVCache(cfg, 64, 16, torch.float16, pin=True)
+    return device_k, device_v, BlockSwapper(device_k, device_v, host, torch.device("cuda"))
 
 
 def test_swaps_copy_the_right_blocks_while_the_compute_stream_moves_on():
-    """A swap's copies run on the copy stream, behind earlier swaps; the compute stream meanwhile allocates and
-    fills tensors of the swap's index size, which must not land in the swap's block ids."""
-    device_k, device_v, swapper = _swap_pools(num_layers=4, staging_blocks=48)
+    """A swap's copies run on the copy stream, behind earlier swaps, one per run of host blocks; the compute
+    stream meanwhile allocates and fills tensors of the swap's index size, which must not land in the swap's
+    block ids."""
+    device_k, device_v, swapper = _swap_pools(num_layers=4)
     out_blocks, in_blocks = list(range(1, 33)), list(range(33, 64))
+    host_blocks = list(range(40, 56)) + [3] + list(range(20, 35))  # runs of 16, 1 and 15
 
     def busy_copy_stream():
         with torch.cuda.stream(swapper.stream):
             torch.cuda._sleep(100_000_000)  # earlier swaps still copying
 
     busy_copy_stream()
-    swapper.swap_out("a", out_blocks, out_blocks)
+    swapper.swap_out("a", out_blocks, host_blocks)
     decoys = [torch.zeros(len(out_blocks), dtype=torch.long, device="cuda") for _ in range(8)]
     swapper.complete(wait=True)
+    torch.cuda.synchronize()
     for layer in range(4):
-        assert torch.equal(swapper.host.k_caches[layer][out_blocks], device_k[layer][out_blocks].cpu())
-        assert torch.equal(swapper.host.v_caches[layer][out_blocks], device_v[layer][out_blocks].cpu())
+        assert torch.equal(swapper.host.k_caches[layer][host_blocks], device_k[layer][out_blocks].cpu())
+        assert torch.equal(swapper.host.v_caches[layer][host_blocks], device_v[layer][out_blocks].cpu())
 
     busy_copy_stream()
-    swapper.swap_in(out_blocks[:31], in_blocks)
+    swapper.swap_in(host_blocks[:31], in_blocks)
     decoys += [torch.zeros(len(in_blocks), dtype=torch.long, device="cuda") for _ in range(8)]
     swapper.wait_swap_in()
     torch.cuda.synchronize()
@@ -301,27 +301,24 @@ def test_swaps_copy_the_right_blocks_while_the_compute_stream_moves_on():
         assert torch.equal(device_v[layer][in_blocks], device_v[layer][out_blocks[:31]])
 
 
-def test_swaps_beyond_the_pinned_staging_land_earlier_swaps_first():
-    """Staging is one pinned arena: a swap that finds it full lands the swap-outs in flight (their staging comes
-    back) instead of pinning more, and every block still arrives where it belongs."""
-    device_k, device_v, swapper = _swap_pools(num_layers=2, staging_blocks=40)
-    host = swapper.host
-    first, second = list(range(0, 24)), list(range(24, 48))
-    swapper.swap_out("a", first, first)
-    assert swapper.in_transit("a")
-    swapper.swap_out("b", second, second)  # 48 blocks of staging asked of 40
-    assert not swapper.in_transit("a") and swapper.in_transit("b")
-    swapper.complete(wait=True)
-    for layer in range(2):
-        assert torch.equal(host.k_caches[layer][:48], device_k[layer][:48].cpu())
-        assert torch.equal(host.v_caches[layer][:48], device_v[layer][:48].cpu())
-    swapper.swap_in(first, list(range(48, 64)) + second[:8])
-    swapper.swap_in(second, list(range(0, 24)))
-    swapper.wait_swap_in()
+def test_a_swap_out_landed_at_once_holds_back_the_compute_stream_not_the_caller():
+    """Where a step reuses a swap-out's device blocks, `complete` returns at once and the compute stream waits
+    for the copies: a kernel it queues next that overwrites the blocks runs after they were copied down."""
+    device_k, device_v, swapper = _swap_pools(num_layers=2)
+    blocks = list(range(8, 24))
+    expected = [device_k[layer][blocks].cpu() for layer in range(2)]
+    with torch.cuda.stream(swapper.stream):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of earlier copies
+    start = time.perf_counter()
+    swapper.swap_out("a", blocks, blocks)
+    assert swapper.complete(wait=True) == blocks
+    returned = time.perf_counter() - start
+    for k in device_k:
+        k[blocks] = 0  # the step reusing the blocks
     torch.cuda.synchronize()
+    assert returned < 0.05, f"the caller waited {returned:.3f}s for the copies"
     for layer in range(2):
-        assert torch.equal(device_k[layer][:24].cpu(), host.k_caches[layer][24:48])
-        assert torch.equal(device_v[layer][48:64].cpu(), host.v_caches[layer][:16])
+        assert torch.equal(swapper.host.k_caches[layer][blocks], expected[layer])
 
 
 @pytest.mark.parametrize("final", [1, Flags.FAILED], ids=["set", "failed"])

@@ -194,53 +194,6 @@ def test_append_kv(dtype):
     assert torch.equal(v_cache.view(-1, 4, 64), v_expect)
 
 
-@pytest.mark.parametrize(
-    "block_shape, dtype",
-    [((16, 8, 128), torch.bfloat16), ((16, 4, 320), torch.float16), ((3, 5, 7), torch.float32)],
-    ids=["32KiB", "40KiB", "420B"],
-)
-@pytest.mark.parametrize("threads", [1, 3])
-def test_copy_blocks_gathers_and_scatters_whole_blocks(block_shape, dtype, threads):
-    """A swap's host-side copies: blocks of a pool into staging (gather) and back to other blocks (scatter), the
-    rest of the destination untouched; blocks below, at and above the library's 32 KiB copy piece."""
-    g = torch.Generator().manual_seed(13)
-    pool = torch.randn(10, *block_shape, generator=g).to(dtype)
-    before = pool.clone()
-    ids = torch.tensor([7, 2, 9, 0], dtype=torch.int64)
-    staged = torch.zeros(len(ids), *block_shape, dtype=dtype)
-    copier = kernels(threads)
-    copier.copy_blocks(staged, torch.arange(len(ids)), pool, ids)
-    assert torch.equal(staged, before[ids])
-    targets = torch.tensor([1, 3, 4, 8], dtype=torch.int64)
-    copier.copy_blocks(pool, targets, staged, torch.arange(len(ids)))
-    expect = before.clone()
-    expect[targets] = before[ids]
-    assert torch.equal(pool, expect)
-    copier.copy_blocks(pool, targets[:0], staged, targets[:0])  # no block: nothing moves
-    assert torch.equal(pool, expect)
-
-
-@pytest.mark.parametrize(
-    "change, match",
-    [
-        (dict(src_ids=torch.tensor([0, 10])), r"src_ids holds a block outside \[0, 10\)"),
-        (dict(dst_ids=torch.tensor([-1, 0])), r"dst_ids holds a block outside \[0, 2\)"),
-        (dict(src_ids=torch.tensor([0, 1], dtype=torch.int32)), "src_ids has dtype"),
-        (dict(dst_ids=torch.tensor([0])), "src_ids has 2 blocks, dst_ids 1"),
-        (dict(dst=torch.zeros(2, 4, 3)), r"dst blocks \(4, 3\) and src blocks \(4, 2\) differ"),
-        (dict(dst=torch.zeros(2, 4, 2, dtype=torch.float16)), "dst has dtype"),
-        (dict(src=torch.zeros(10, 2, 4).transpose(1, 2)), "src must be contiguous"),
-    ],
-    ids=["src_id_high", "dst_id_negative", "int32_ids", "counts_differ", "block_shapes_differ", "dtype", "strided"],
-)
-def test_copy_blocks_refuses_bad_input(change, match):
-    args = dict(dst=torch.zeros(2, 4, 2), dst_ids=torch.tensor([0, 1]), src=torch.zeros(10, 4, 2))
-    args["src_ids"] = torch.tensor([3, 4])
-    args.update(change)
-    with pytest.raises(KernelInputError, match=match):
-        kernels().copy_blocks(**args)
-
-
 def test_append_then_attend():
     q, k_cache, v_cache, tables, lens = make_case(11, [20, 33], 16, 8, 2, 128, torch.bfloat16)
     k_new = torch.randn(2, 2, 128).to(torch.bfloat16)

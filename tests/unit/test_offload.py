@@ -19,9 +19,10 @@ from engine_helpers import (
 )
 
 from neo_backend import EngineConfig, LLMEngine
+from neo_backend.core.block_manager import BlockManager
 from neo_backend.cpu.ops import Kernels
 from neo_backend.executor.host_pool import HUGE_PAGE_BYTES, huge_page_tensor
-from neo_backend.executor.swapper import STAGING_ALIGN, StagingArena
+from neo_backend.executor.swapper import block_runs
 from neo_backend.streaming import StreamingEngine
 
 
@@ -122,7 +123,8 @@ def test_auto_backs_off_when_cpu_attention_is_slowed(tiny_model_dirs, workload, 
 
 
 class _CopyEvent:
-    """Stands in for the swap stream's CUDA event: the copy lands when the test says so."""
+    """Stands in for the swap stream's CUDA event: the copy lands when the test says so, or once the compute
+    stream is made to wait for it."""
 
     def __init__(self) -> None:
         self.landed = False
@@ -130,28 +132,24 @@ class _CopyEvent:
     def query(self) -> bool:
         return self.landed
 
-    def synchronize(self) -> None:
+    def wait(self, stream=None) -> None:
         self.landed = True
 
 
-def test_the_swap_staging_hands_out_ranges_first_fit_and_takes_them_back_once_their_copies_landed():
-    page = STAGING_ALIGN
-    arena = StagingArena(8 * page, pin=False)
-
-    def offset(t: torch.Tensor) -> int:
-        return (t.data_ptr() - arena.buffer.data_ptr()) // page
-
-    first, second = arena.take((2, page // 4), torch.float32), arena.take((3 * page - 5,), torch.uint8)
-    assert first.shape == (2, page // 4) and first.dtype == torch.float32
-    assert (offset(first), offset(second)) == (0, 2)
-    assert arena.take((4 * page,), torch.uint8) is None, "3 pages left"
-    arena.release(first)
-    assert offset(arena.take((page,), torch.uint8)) == 0, "first fit"
-    copy_up = _CopyEvent()
-    arena.release(second, after=copy_up)
-    assert arena.take((4 * page,), torch.uint8) is None, "the copy up still reads it"
-    copy_up.landed = True
-    assert offset(arena.take((4 * page,), torch.uint8)) == 1
+def test_block_runs_and_the_pools_hand_out_runs_that_grow_in_place():
+    """A swap copies one run of consecutive host blocks at a time: the pool hands a request's blocks out as a
+    run, leaves room after it, and a growing request takes the block after its last while it is free."""
+    assert block_runs([4, 5, 6, 9, 2, 3]) == [(0, 4, 3), (3, 9, 1), (4, 2, 2)]
+    assert block_runs([]) == []
+    pool = BlockManager(16, 4, "cpu")
+    first, second = pool.allocate(3), pool.allocate(3)
+    assert first == [0, 1, 2] and second == [6, 7, 8], "a new run starts past room for the last to double"
+    assert pool.allocate(2, after=first[-1]) == [3, 4], "growth in place"
+    assert pool.allocate(1, after=second[-1]) == [9]
+    pool.release(first[1:])
+    assert pool.allocate(6) == [10, 11, 12, 13, 14, 15]
+    assert pool.allocate(3) == [1, 2, 5], "no free run that long: the lowest free blocks"
+    assert pool.num_free_blocks == 0 and pool.num_used_blocks == 16
 
 
 def test_the_runner_reports_the_swap_outs_that_landed_and_only_those_decode(tiny_model_dirs, monkeypatch):
