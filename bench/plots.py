@@ -33,6 +33,11 @@ SCENARIOS = {  # name: (default input, title)
         RESULTS / "h100_serving_e_t4mem.json",
         "(e) emulated T4 memory on an H100: 8 of 132 SMs, 16 GB, Llama-2-7B shape, steady state, slack 2",
     ),
+    "e_t4mem_h100_slack3": (
+        RESULTS / "h100_serving_e_t4mem_slack3.json",
+        "(e) emulated T4 memory on an H100: 8 of 132 SMs, 16 GB, Llama-2-7B shape, steady state, slack 3, "
+        "swaps waited for on the device",
+    ),
     "e_t4mem_always": (
         RESULTS / "h200_serving_e_t4mem_always.json",
         "(e) emulated T4 memory, never against always: 8 SMs, 16 GB, Llama-2-7B shape",
