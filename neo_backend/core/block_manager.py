@@ -58,7 +58,6 @@ class BlockManager:
         if num_blocks == 0:
             return []
         run = FREE * num_blocks
-        start = -1
         if after is not None and self._free_map[after + 1 : after + 1 + num_blocks] == run:
             start = after + 1
         else:

@@ -130,9 +130,9 @@ class BlockSwapper:
 
     def _pools(self):
         """(device, host) K and V pools of every layer."""
-        for layer, (k, v) in enumerate(zip(self.device_k, self.device_v)):
-            yield k, self.host.k_caches[layer]
-            yield v, self.host.v_caches[layer]
+        for k, v, host_k, host_v in zip(self.device_k, self.device_v, self.host.k_caches, self.host.v_caches):
+            yield k, host_k
+            yield v, host_v
 
     def _on_copy_stream(self):
         """The copy stream, after the work queued so far. Tensors a swap uses on it are allocated under it: the
