@@ -5,10 +5,10 @@
 #   bash bench/h200_emulated.sh tests roofline c   # CUDA tests of the partition, its roofline, (c) full H200
 #   bash bench/h200_emulated.sh d d_offline        # (d) A10G-class: Llama-3-8B shape, 24 GB, never and auto
 #   bash bench/h200_emulated.sh e_light            # (e) T4-class memory: Llama-2-7B shape (MHA), 16 GB; the sweep
-#   bash bench/h200_emulated.sh e_mid              # in one call a step, each rate's trace long enough for GPU-only's
-#   bash bench/h200_emulated.sh e_knee             # queue to build where it cannot keep up, then one report of the
-#   bash bench/h200_emulated.sh e_saturated        # parts run:
-#     python3 bench/serving.py --merge .../h200_serving_e_t4mem_{light,mid,knee,saturated}.json --json REPORT
+#   bash bench/h200_emulated.sh e_knee             # in one call a step, each rate's trace long enough for GPU-only's
+#   bash bench/h200_emulated.sh e_saturated        # queue to build where it cannot keep up, then one report of the
+#                                                  # parts run:
+#     python3 bench/serving.py --merge .../h200_serving_e_t4mem_{light,knee,saturated}.json --json REPORT
 #   bash bench/h200_emulated.sh e_offline          # (e) offline
 #   bash bench/h200_emulated.sh e_always e_sequential  # (e): never against always; its sequential iterations
 #   bash bench/h200_emulated.sh e_swap             # (e): one request's swap, alone and beside CPU attention
@@ -35,7 +35,7 @@ serve_e() {  # NAME LIMIT SECONDS_PER_RATE RATE...: one part of (e)'s sweep, its
   for what in "$@"; do
     case "$what" in
       tests)
-        step 110 python3 -m pytest -q -x -s -p no:cacheprovider tests/cuda/test_cuda.py -k "partition or greedy" ;;
+        step 180 python3 -m pytest -q -x -s -p no:cacheprovider tests/cuda/test_cuda.py -k "partition or greedy or swap" ;;
       roofline)
         step 140 python3 bench/engine.py --roofline --gpu-sm-count 8 --tokenizer "$TOKENIZER" \
             --json "$OUT/h200_engine_roofline_8sm.json" ;;
@@ -48,8 +48,7 @@ serve_e() {  # NAME LIMIT SECONDS_PER_RATE RATE...: one part of (e)'s sweep, its
       d_offline)
         step 300 "${SERVE[@]}" --gpu-memory-gb 24 --rates --offline 40 --cpu-kv-cache-gb 32 \
             --json "$OUT/h200_serving_d_a10g_offline.json" ;;
-      e_light) serve_e light 540 90 0.1 0.3 ;;
-      e_mid) serve_e mid 340 100 0.33 ;;
+      e_light) serve_e light 540 90 0.1 0.33 ;;
       e_knee) serve_e knee 520 120 0.35 ;;
       e_saturated) serve_e saturated 540 90 0.4 0.5 ;;
       e_offline)
