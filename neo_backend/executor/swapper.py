@@ -6,8 +6,9 @@ A swap-out gathers each layer's device blocks into a device buffer and copies it
 consecutive host blocks (`BlockManager` hands a request's host blocks out in runs); a swap-in copies the runs up
 into a device buffer and scatters it into the device blocks. The compute stream waits for a swap on the device,
 never the launching thread: a step that reuses a swap-out's device blocks, or reads a swap-in's, starts once the
-copies are done, and the launching thread queues it meanwhile. Whatever the host reads of a swapped request, it
-reads after the step's own device work has run (the pipeline's hand-offs), so after the copies too.
+copies are done, and the launching thread queues it meanwhile (once `warm_up` has loaded the copies' kernels:
+loading one waits for the work queued on the device). Whatever the host reads of a swapped request, it reads
+after the step's own device work has run (the pipeline's hand-offs), so after the copies too.
 Without CUDA the same copies run at once on the calling thread.
 """
 
@@ -108,14 +109,17 @@ class BlockSwapper:
             self._swap_in_done = self._record()
 
     def warm_up(self, device_block: int) -> None:
-        """One block to host block 0 and back, at start-up: a process's first swap loads the copies' CUDA kernels
-        (75-121 ms on the H200), which would otherwise stall the first iteration that swaps."""
+        """Swaps of one device block to host block 0 and back at start-up, naming it once and 17 times: the gather
+        picks one kernel for up to 16 ids and another past that, and a process's first launch of each loads it
+        (75-121 ms on the H200), waiting for the work queued on the device. Without this, a swap's launch would
+        hold the scheduling thread behind earlier swaps' copies."""
         if self.stream is None:
             return
-        self.swap_out("warm-up", [device_block], [0])
-        self.complete(wait=True)
-        self.swap_in([0], [device_block])
-        self.wait_swap_in()
+        for count in (1, 17):
+            self.swap_out("warm-up", [device_block] * count, [0] * count)
+            self.complete(wait=True)
+            self.swap_in([0] * count, [device_block] * count)
+            self.wait_swap_in()
         torch.cuda.synchronize(self.device)
 
     def wait_swap_in(self) -> None:

@@ -3,7 +3,10 @@ the CPU engine, and greedy tokens unchanged by offloading with the real CPU kern
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -253,7 +256,8 @@ def test_decode_graph_gemms_run_on_the_library_chosen_per_shape(tiny_model_dirs)
 
 
 def _swap_pools(num_layers: int) -> tuple[list[torch.Tensor], list[torch.Tensor], BlockSwapper]:
-    """Random device K/V pools of 64 blocks per layer, a pinned host pool of 64 and a swapper between them."""
+    """Random device K/V pools of 64 blocks per layer, a pinned host pool of 64 and a swapper between them, warmed
+    up as the engine's is (a process's first swap loads the copies' kernels)."""
     cfg = ModelConfig(
         vocab_size=64,
         hidden_size=1024,
@@ -267,7 +271,9 @@ def _swap_pools(num_layers: int) -> tuple[list[torch.Tensor], list[torch.Tensor]
     device_k = [torch.randn(shape, device="cuda", dtype=torch.float16) for _ in range(num_layers)]
     device_v = [torch.randn(shape, device="cuda", dtype=torch.float16) for _ in range(num_layers)]
     host = HostKVCache(cfg, 64, 16, torch.float16, pin=True)
-    return device_k, device_v, BlockSwapper(device_k, device_v, host, torch.device("cuda"))
+    swapper = BlockSwapper(device_k, device_v, host, torch.device("cuda"))
+    swapper.warm_up(0)
+    return device_k, device_v, swapper
 
 
 def test_swaps_copy_the_right_blocks_while_the_compute_stream_moves_on():
@@ -319,6 +325,60 @@ def test_a_swap_out_landed_at_once_holds_back_the_compute_stream_not_the_caller(
     assert returned < 0.05, f"the caller waited {returned:.3f}s for the copies"
     for layer in range(2):
         assert torch.equal(swapper.host.k_caches[layer][blocks], expected[layer])
+
+
+_FRESH_PROCESS_SWAP_OUT = """
+import sys, time
+import torch
+from neo_backend.config import ModelConfig
+from neo_backend.executor.host_pool import HostKVCache
+from neo_backend.executor.swapper import BlockSwapper
+
+cfg = ModelConfig(
+    vocab_size=64, hidden_size=1024, intermediate_size=64, num_layers=2, num_heads=8, num_kv_heads=8, head_dim=128
+)
+device_k = [torch.randn(64, 16, 8, 128, device="cuda", dtype=torch.float16) for _ in range(2)]
+device_v = [torch.randn_like(k) for k in device_k]
+swapper = BlockSwapper(device_k, device_v, HostKVCache(cfg, 64, 16, torch.float16, pin=True), torch.device("cuda"))
+swapper.warm_up(0)
+blocks = list(range(8, 45))  # past 16 ids: the gather's other kernel
+expected = [k[8:45].cpu() for k in device_k]
+with torch.cuda.stream(swapper.stream):
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of earlier copies
+start = time.perf_counter()
+swapper.swap_out("a", blocks, blocks)
+swapper.complete(wait=True)
+returned = time.perf_counter() - start
+torch.cuda.synchronize()
+if returned >= 0.05:
+    sys.exit(f"the caller waited {returned:.3f}s for the copies")
+if not all(torch.equal(swapper.host.k_caches[layer][8:45], expected[layer]) for layer in range(2)):
+    sys.exit("the swap-out copied the wrong blocks")
+with torch.cuda.stream(swapper.stream):
+    torch.cuda._sleep(200_000_000)
+start = time.perf_counter()
+swapper.swap_in(blocks, [block + 19 for block in blocks])
+swapper.wait_swap_in()
+returned = time.perf_counter() - start
+torch.cuda.synchronize()
+if returned >= 0.05:
+    sys.exit(f"the swap-in's caller waited {returned:.3f}s for the copies")
+if not all(torch.equal(k[27:64].cpu(), expected[layer]) for layer, k in enumerate(device_k)):
+    sys.exit("the swap-in copied the wrong blocks")
+"""
+
+
+def test_a_swap_launch_in_a_fresh_process_does_not_wait_for_queued_copies():
+    """In a fresh process whose only swaps so far were `warm_up`'s: a swap of more than 16 blocks runs the gather's
+    large-index kernel, and loading a kernel on its first launch waits for the copies queued on the device."""
+    child = subprocess.run(
+        [sys.executable, "-c", _FRESH_PROCESS_SWAP_OUT],
+        cwd=Path(__file__).parents[2],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert child.returncode == 0, child.stderr
 
 
 @pytest.mark.parametrize("final", [1, Flags.FAILED], ids=["set", "failed"])
