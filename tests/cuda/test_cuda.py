@@ -327,40 +327,35 @@ def test_a_swap_out_landed_at_once_holds_back_the_compute_stream_not_the_caller(
         assert torch.equal(swapper.host.k_caches[layer][blocks], expected[layer])
 
 
-_FRESH_PROCESS_SWAP_OUT = """
+_FRESH_PROCESS_SWAPS = """
 import sys, time
 import torch
-from neo_backend.config import ModelConfig
-from neo_backend.executor.host_pool import HostKVCache
-from neo_backend.executor.swapper import BlockSwapper
+sys.path[:0] = ["tests", "tests/cuda"]
+from test_cuda import _swap_pools
 
-cfg = ModelConfig(
-    vocab_size=64, hidden_size=1024, intermediate_size=64, num_layers=2, num_heads=8, num_kv_heads=8, head_dim=128
-)
-device_k = [torch.randn(64, 16, 8, 128, device="cuda", dtype=torch.float16) for _ in range(2)]
-device_v = [torch.randn_like(k) for k in device_k]
-swapper = BlockSwapper(device_k, device_v, HostKVCache(cfg, 64, 16, torch.float16, pin=True), torch.device("cuda"))
-swapper.warm_up(0)
+device_k, device_v, swapper = _swap_pools(num_layers=2)
 blocks = list(range(8, 45))  # past 16 ids: the gather's other kernel
 expected = [k[8:45].cpu() for k in device_k]
-with torch.cuda.stream(swapper.stream):
-    torch.cuda._sleep(200_000_000)  # ~0.1 s of earlier copies
-start = time.perf_counter()
-swapper.swap_out("a", blocks, blocks)
-swapper.complete(wait=True)
-returned = time.perf_counter() - start
-torch.cuda.synchronize()
+
+
+def seconds_behind_queued_copies(swap) -> float:
+    with torch.cuda.stream(swapper.stream):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of earlier copies
+    start = time.perf_counter()
+    swap()
+    returned = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return returned
+
+
+returned = seconds_behind_queued_copies(lambda: (swapper.swap_out("a", blocks, blocks), swapper.complete(wait=True)))
 if returned >= 0.05:
     sys.exit(f"the caller waited {returned:.3f}s for the copies")
 if not all(torch.equal(swapper.host.k_caches[layer][8:45], expected[layer]) for layer in range(2)):
     sys.exit("the swap-out copied the wrong blocks")
-with torch.cuda.stream(swapper.stream):
-    torch.cuda._sleep(200_000_000)
-start = time.perf_counter()
-swapper.swap_in(blocks, [block + 19 for block in blocks])
-swapper.wait_swap_in()
-returned = time.perf_counter() - start
-torch.cuda.synchronize()
+returned = seconds_behind_queued_copies(
+    lambda: (swapper.swap_in(blocks, [block + 19 for block in blocks]), swapper.wait_swap_in())
+)
 if returned >= 0.05:
     sys.exit(f"the swap-in's caller waited {returned:.3f}s for the copies")
 if not all(torch.equal(k[27:64].cpu(), expected[layer]) for layer, k in enumerate(device_k)):
@@ -372,7 +367,7 @@ def test_a_swap_launch_in_a_fresh_process_does_not_wait_for_queued_copies():
     """In a fresh process whose only swaps so far were `warm_up`'s: a swap of more than 16 blocks runs the gather's
     large-index kernel, and loading a kernel on its first launch waits for the copies queued on the device."""
     child = subprocess.run(
-        [sys.executable, "-c", _FRESH_PROCESS_SWAP_OUT],
+        [sys.executable, "-c", _FRESH_PROCESS_SWAPS],
         cwd=Path(__file__).parents[2],
         capture_output=True,
         text=True,
