@@ -8,9 +8,10 @@ Three queues: `waiting` (prefill), `running` (KV on the device: prefill chunks a
 3. running GPU requests get their tokens; on a shortage the newest is swapped out, or preempted by
    recompute when the host pool cannot take it (or the policy is `never`);
 4. CPU-requests grow in the host pool (preempted by recompute on a shortage);
-5. waiting prompts are admitted within the token budget and `max_num_seqs`; a finished prefill is moved to
-   the host pool after the step when the policy is `always`, or under `auto` when the device is nearly full or
-   prompts wait for its memory (and the move pays);
+5. waiting prompts are admitted within the token budget and `max_num_seqs`, each once the device has room for
+   all of it (a prompt longer than the budget prefills in chunks over several iterations); a finished prefill
+   is moved to the host pool after the step when the policy is `always`, or under `auto` when the device is
+   nearly full or prompts wait for its memory (and the move pays);
 6. the performance model picks the CPU decodes that fit the latency bound (auto: the GPU part's predicted
    time times `cpu_latency_slack`) and the mode, sequential or the two-sub-batch pipeline, by predicted tokens/s.
 Under `auto` a request moves to the host only where the model predicts more tokens/s with it there (NEO's
@@ -230,13 +231,19 @@ class Scheduler:
         return ready
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        """Admit waiting prompts while the token budget lasts and the device has room for each whole prompt
+        besides what the prompts already admitted still need: a prompt admitted for its first chunk only would be
+        preempted once the device fills, every chunk of it recomputed."""
+        owed = self._prefill_blocks_owed()
         while self.waiting and budget > 0 and len(self.running) + len(self.cpu_running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             n = min(seq.num_uncomputed_tokens, budget)
-            if not self.gpu_blocks.can_grow(seq, n):
+            need = self.gpu_blocks.extra_blocks_for(seq, len(seq.token_ids))
+            if need + owed > self.gpu_blocks.num_free_blocks:
                 break
             self.waiting.popleft()
             self.gpu_blocks.grow(seq, n)
+            owed += self.gpu_blocks.extra_blocks_for(seq, len(seq.token_ids))
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.prefills.append((seq, n))
@@ -391,12 +398,15 @@ class Scheduler:
         return (gpu_tokens + len(cpu_ctx) + low) * alone >= gpu_tokens * with_cpu
 
     def _prompts_wait_for_memory(self) -> bool:
-        """The next prompt's prefill does not fit in the free device blocks."""
+        """The next prompt does not fit in the free device blocks beside what the admitted prompts still need."""
         if not self.waiting:
             return False
-        head = self.waiting[0]
-        need = self.gpu_blocks.blocks_needed(min(head.num_uncomputed_tokens, self.config.max_num_batched_tokens))
-        return need > self.gpu_blocks.num_free_blocks
+        need = self.gpu_blocks.extra_blocks_for(self.waiting[0], len(self.waiting[0].token_ids))
+        return need + self._prefill_blocks_owed() > self.gpu_blocks.num_free_blocks
+
+    def _prefill_blocks_owed(self) -> int:
+        """Device blocks the admitted prompts still need to finish their prefill (chunked by the token budget)."""
+        return sum(self.gpu_blocks.extra_blocks_for(s, len(s.token_ids)) for s in self.running if not s.is_decode)
 
     def _followers(self, seq: Sequence) -> list[Sequence]:
         """The waiting prompts that would follow `seq` to the host: in order, while the host pool and

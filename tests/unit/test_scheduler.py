@@ -60,7 +60,7 @@ def test_the_offload_correction_scales_predictions_and_is_taken_out_of_observati
 def make_scheduler(
     policy: str, gpu_blocks: int, cpu_blocks: int = 256, model: PerfModel | None = None, **knobs
 ) -> Scheduler:
-    config = EngineConfig(offload_policy=policy, block_size=BLOCK, max_num_batched_tokens=64, **knobs)
+    config = EngineConfig(offload_policy=policy, block_size=BLOCK, **{"max_num_batched_tokens": 64, **knobs})
     return Scheduler(
         config, policy, BlockManager(gpu_blocks, BLOCK, "gpu"), BlockManager(cpu_blocks, BLOCK, "cpu"), model or perf()
     )
@@ -120,6 +120,23 @@ def test_gpu_shortage_swaps_out_under_auto_and_preempts_under_never():
             assert sched.swap_out_blocks > 0 and sched.cpu_running and sched.num_preemptions == 0
         else:
             assert sched.swap_out_blocks == 0 and set(sched.preemptions) == {"device_full_no_host"}
+
+
+def test_a_prompt_chunked_by_the_token_budget_is_admitted_only_with_room_for_all_of_it():
+    """Prompts of 60% of the device's blocks, prefilled in chunks of 16 tokens: the second waits until the first
+    is done instead of taking its first chunk's blocks and being preempted (or preempting) once the pool fills,
+    its chunks recomputed."""
+    sched = make_scheduler("never", gpu_blocks=20, max_num_batched_tokens=16)
+    first, second = request(0, prompt_len=48), request(1, prompt_len=48)
+    sched.add(first)
+    sched.add(second)
+    for _ in range(6):
+        run_step(sched)
+        assert second.status == SequenceStatus.WAITING and not second.block_table
+    assert first.num_output_tokens == 4 and sched.num_preemptions == 0
+    sched.remove(first)
+    chunks = [run_step(sched).prefills for _ in range(3)]
+    assert chunks == [[(second, 16)]] * 3 and second.is_decode and sched.num_preemptions == 0
 
 
 def test_auto_recomputes_instead_of_swapping_out_when_the_cpu_could_not_keep_up():
