@@ -80,7 +80,7 @@ ReadSumFn select_read_sum() {
 
 // Work split. With split_long, sequences longer than kPartTokens become segments of at most that many
 // tokens, merged afterwards by log-sum-exp, so one long request does not serialise the batch. The split
-// depends on the sequence alone, never on the thread count: results are bitwise the same for any number
+// depends on the batch alone, never on the thread count: results are bitwise the same for any number
 // of threads. With few work units the KV heads are split too (exact: heads are independent). Items run
 // longest first (dynamic schedule, LPT order).
 struct Plan {
@@ -92,8 +92,19 @@ struct Plan {
 };
 
 // About 2 MiB of fp16 KV for 8 KV heads of 128: long enough that the merge (one [Hq, D] row set per
-// segment) costs little, short enough to balance a handful of long requests over 16 threads (bench/RESULTS.md).
+// segment) costs little, short enough to balance a handful of long requests over 16 threads. A batch with
+// fewer than kMinLongSegments such segments is split into kShortPartTokens instead: a few requests then
+// balance better over the threads than longer runs read (bench/RESULTS.md, "CPU attention kernel").
 constexpr long kPartTokens = 512;
+constexpr long kShortPartTokens = 128;
+constexpr long kMinLongSegments = 32;
+
+long segment_blocks(const std::vector<int>& nblocks, int block_size) {
+  const long part = std::max(1L, kPartTokens / block_size);
+  long segments = 0;
+  for (int n : nblocks) segments += (n + part - 1) / part;
+  return segments >= kMinLongSegments ? part : std::max(1L, kShortPartTokens / block_size);
+}
 
 // The KV heads are split until there are 2 items per thread, but past 1.5 items per thread not into runs of
 // less than this many bytes of each token's row: a longer run read in one pass pays more than the finer
@@ -104,7 +115,7 @@ Plan make_plan(const AttnParams& P, int threads, bool split_long) {
   Plan plan;
   std::vector<int> nblocks(P.B);
   for (int b = 0; b < P.B; ++b) nblocks[b] = (P.context_lens[b] + P.block_size - 1) / P.block_size;
-  const long part = split_long ? std::max(1L, kPartTokens / P.block_size) : long(P.max_blocks) + 1;
+  const long part = split_long ? segment_blocks(nblocks, P.block_size) : long(P.max_blocks) + 1;
   plan.seg_first.assign(P.B, 0);
   plan.seg_count.assign(P.B, 1);
   struct Range { int seq, begin, end, segment; };
