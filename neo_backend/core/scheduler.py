@@ -238,12 +238,11 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) + len(self.cpu_running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             n = min(seq.num_uncomputed_tokens, budget)
-            need = self.gpu_blocks.extra_blocks_for(seq, len(seq.token_ids))
-            if need + owed > self.gpu_blocks.num_free_blocks:
+            if not self._prompt_fits(seq, owed):
                 break
             self.waiting.popleft()
             self.gpu_blocks.grow(seq, n)
-            owed += self.gpu_blocks.extra_blocks_for(seq, len(seq.token_ids))
+            owed += self._blocks_to_finish_prefill(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.prefills.append((seq, n))
@@ -399,14 +398,18 @@ class Scheduler:
 
     def _prompts_wait_for_memory(self) -> bool:
         """The next prompt does not fit in the free device blocks beside what the admitted prompts still need."""
-        if not self.waiting:
-            return False
-        need = self.gpu_blocks.extra_blocks_for(self.waiting[0], len(self.waiting[0].token_ids))
-        return need + self._prefill_blocks_owed() > self.gpu_blocks.num_free_blocks
+        return bool(self.waiting) and not self._prompt_fits(self.waiting[0], self._prefill_blocks_owed())
+
+    def _prompt_fits(self, seq: Sequence, owed: int) -> bool:
+        """All of `seq`'s prompt fits in the free device blocks beside `owed` blocks promised to admitted prompts."""
+        return self._blocks_to_finish_prefill(seq) + owed <= self.gpu_blocks.num_free_blocks
 
     def _prefill_blocks_owed(self) -> int:
         """Device blocks the admitted prompts still need to finish their prefill (chunked by the token budget)."""
-        return sum(self.gpu_blocks.extra_blocks_for(s, len(s.token_ids)) for s in self.running if not s.is_decode)
+        return sum(self._blocks_to_finish_prefill(s) for s in self.running if not s.is_decode)
+
+    def _blocks_to_finish_prefill(self, seq: Sequence) -> int:
+        return self.gpu_blocks.extra_blocks_for(seq, len(seq.token_ids))
 
     def _followers(self, seq: Sequence) -> list[Sequence]:
         """The waiting prompts that would follow `seq` to the host: in order, while the host pool and

@@ -58,9 +58,16 @@ def test_the_offload_correction_scales_predictions_and_is_taken_out_of_observati
 
 
 def make_scheduler(
-    policy: str, gpu_blocks: int, cpu_blocks: int = 256, model: PerfModel | None = None, **knobs
+    policy: str,
+    gpu_blocks: int,
+    cpu_blocks: int = 256,
+    model: PerfModel | None = None,
+    max_num_batched_tokens: int = 64,
+    **knobs,
 ) -> Scheduler:
-    config = EngineConfig(offload_policy=policy, block_size=BLOCK, **{"max_num_batched_tokens": 64, **knobs})
+    config = EngineConfig(
+        offload_policy=policy, block_size=BLOCK, max_num_batched_tokens=max_num_batched_tokens, **knobs
+    )
     return Scheduler(
         config, policy, BlockManager(gpu_blocks, BLOCK, "gpu"), BlockManager(cpu_blocks, BLOCK, "cpu"), model or perf()
     )
