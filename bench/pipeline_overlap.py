@@ -167,9 +167,13 @@ def measure(
         split = split if pipelined else cpu_decodes
     split = min(split, cpu_decodes)
     subs = build_iteration(engine, gpu_decodes, cpu_decodes, context, split, seed=cpu_decodes)
-    lane_graphs, host_attention = runner.pipeline.lane_graphs, runner.host_attention
-    real = PipelinedExecutor(host_attention, lane_graphs)
-    instant = PipelinedExecutor(InstantHostAttention(host_attention), lane_graphs)
+    hand_offs, lane_graphs, host_attention = (
+        runner.pipeline.hand_offs,
+        runner.pipeline.lane_graphs,
+        runner.host_attention,
+    )
+    real = PipelinedExecutor(host_attention, hand_offs, lane_graphs)
+    instant = PipelinedExecutor(InstantHostAttention(host_attention), hand_offs, lane_graphs)
     capture = CapturingHostAttention(host_attention)
     with torch.inference_mode():
         real.run(model, subs)
@@ -178,7 +182,7 @@ def measure(
         pipelined = median_seconds(lambda: real.run(model, subs), KERNEL_REPS, device=device)
         cpu_kernel = host_attention.seconds / KERNEL_REPS
         gpu_alone = median_seconds(lambda: instant.run(model, subs), device=device, warmup=1)
-        PipelinedExecutor(capture, lane_graphs).run(model, subs)
+        PipelinedExecutor(capture, hand_offs, lane_graphs).run(model, subs)
         done = Flags(len(capture.lanes) * len(model.layers), 0.0)
 
         def cpu_part() -> None:

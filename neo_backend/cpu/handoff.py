@@ -20,13 +20,19 @@ from .abi import FLAG_FAILED, WaitStatus
 HAND_OFF_SPIN_S = 0.1
 
 
+def spin_seconds(device: torch.device) -> float:
+    """How long a hand-off waiter spins: on CUDA the launching thread and the CPU-attention thread each have a core
+    of their own and spin; on a CPU device they share the cores with the "device" work and poll."""
+    return HAND_OFF_SPIN_S if device.type == "cuda" else 0.0
+
+
 class Flags:
     """Counters in host memory that one side sets and another waits on, spinning in C with the GIL released.
 
-    The device sets a "ready" flag with a copy queued behind the q/k/v copies it announces (hence pinned
-    memory). A spinning waiter sees a store at once, where a condition variable's wake-up costs tens of
-    microseconds per layer. Waiters spin for `spin_s`, then poll every 20 us (spin only where the waiter has a
-    core of its own). A negative value means the setter gave up; `wait` reports it instead of waiting on.
+    The device sets a "ready" flag from its stream behind the q/k/v it announces (hence pinned memory). A spinning
+    waiter sees a store at once, where a condition variable's wake-up costs tens of microseconds per layer.
+    Waiters spin for `spin_s`, then poll every 20 us (spin only where the waiter has a core of its own). A
+    negative value means the setter gave up; `wait` reports it instead of waiting on.
     """
 
     FAILED = FLAG_FAILED
@@ -50,14 +56,6 @@ class Flags:
 
     def set(self, index: int) -> None:
         self.values[index] = 1
-
-    def set_in_order(self, index: int, one: torch.Tensor) -> None:
-        """Sets flag `index` after the work queued before it: on CUDA by copying `one` (int64 [1] holding 1, on
-        the device) on the current stream, so it lands behind the copies it announces; elsewhere at once."""
-        if one.device.type == "cuda":
-            self.tensor[index : index + 1].copy_(one, non_blocking=True)
-        else:
-            self.set(index)
 
     def fail_from(self, index: int) -> None:
         self.values[index:] = self.FAILED

@@ -17,9 +17,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..cpu.handoff import HAND_OFF_SPIN_S, Flags
 from ..layers.attention import AttentionMetadata
-from .segments import HostHandOff, LayerSegments
+from .segments import HandOffBuffers, HostHandOff, LayerSegments
 
 if TYPE_CHECKING:
     from .gemm_libraries import GemmLibraries
@@ -171,25 +170,27 @@ def capture(fn, pool) -> tuple[torch.cuda.CUDAGraph, object]:
 
 class LaneGraphs:
     """One pipeline lane's decode-only layer segments (segments.py), captured per bucket and per `with_host`
-    (whether the lane carries host rows: their q/k/v go to pinned buffers and their attention comes back from one).
-    Tensors that live across segments are static: `attn`, `residual`, `final` on the device, `host_qkv` (packed, as
-    `split_qkv` reads it) and `host_out` pinned on the host.
+    (whether the lane carries host rows: their q/k/v go to the lane's `hand_off` buffers in host memory and their
+    attention comes back from there). Tensors that live across segments are static: `attn`, `residual`, `final`
+    on the device and the hand-off buffers, whose rows match the bucket's.
     """
 
-    def __init__(self, model, inputs: DecodeInputs, host_variants: tuple[bool, ...], gemms: GemmLibraries) -> None:
+    def __init__(
+        self,
+        model,
+        inputs: DecodeInputs,
+        host_variants: tuple[bool, ...],
+        gemms: GemmLibraries,
+        hand_off: HandOffBuffers,
+    ) -> None:
         cfg, device, dtype = model.rank_config, inputs.input_ids.device, model.embed_tokens.weight.dtype
         n = inputs.max_batch
-        self.model, self.inputs = model, inputs
+        self.model, self.inputs, self.hand_off = model, inputs, hand_off
         self.buckets = lane_buckets(n)
         self.attn = torch.zeros(n, cfg.num_heads, cfg.head_dim, dtype=dtype, device=device)
         self.residual = torch.zeros(n, cfg.hidden_size, dtype=dtype, device=device)
         self.final = torch.zeros(n, cfg.hidden_size, dtype=dtype, device=device)
         self.host_mask = torch.zeros(n, 1, 1, dtype=torch.bool, device=device)
-        qkv_size = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-        self.host_qkv = torch.zeros(n, qkv_size, dtype=dtype, pin_memory=True)
-        self.host_out = torch.zeros(n, cfg.num_heads, cfg.head_dim, dtype=dtype, pin_memory=True)
-        self.ready = Flags(len(model.layers), HAND_OFF_SPIN_S, pin=True)
-        self.one = torch.ones(1, dtype=torch.int64, device=device)
         self.graphs: dict[tuple[int, bool, int], torch.cuda.CUDAGraph] = {}
         pool = None
         for bs in reversed(self.buckets):
@@ -222,7 +223,7 @@ class _BucketSegments(LayerSegments):
 
     def __init__(self, graphs: LaneGraphs, bs: int, with_host: bool) -> None:
         g, inputs = graphs, graphs.inputs
-        host = HostHandOff(g.host_qkv[:bs], g.host_out[:bs], 0, g.ready, g.one) if with_host else None
+        host = HostHandOff(g.hand_off, first_row=0) if with_host else None
         super().__init__(g.model, inputs.input_ids[:bs], inputs.positions[:bs], inputs.meta(bs), host)
         self.graphs, self.bs = graphs, bs
 
@@ -230,7 +231,7 @@ class _BucketSegments(LayerSegments):
         g, bs = self.graphs, self.bs
         attn = g.attn[:bs]
         if self.host is not None:
-            attn = torch.where(g.host_mask[:bs], self.host.out.to(attn.device, non_blocking=True), attn)
+            attn = torch.where(g.host_mask[:bs], g.hand_off.out_on_device[:bs], attn)
         return attn, g.residual[:bs]
 
     def save(self, attn: torch.Tensor, residual: torch.Tensor) -> None:

@@ -21,6 +21,7 @@ from ..layers.parallel import TensorParallel
 from ..layers.sampler import PendingSample, Sampler
 from ..models.loader import ModelSource, load_model
 from ..staging import tensor_on, to_device
+from . import stream_flags
 from .cuda_graphs import DecodeGraphs, DecodeInputs, LaneGraphs
 from .gemm_libraries import GemmLibraries
 from .gpu_partition import sm_partition
@@ -28,6 +29,7 @@ from .host_attention import HostAttention, HostDecodeBatch
 from .host_pool import HostKVCache, host_available_bytes
 from .pipeline import PipelinedExecutor, SubBatch
 from .profiler import profile
+from .segments import HandOffBuffers
 from .swapper import BlockSwapper
 
 log = logging.getLogger("neo_backend")
@@ -126,6 +128,12 @@ class ModelRunner:
                 SUPPORTED_HEAD_DIMS,
             )
             return
+        if self.device.type == "cuda" and not stream_flags.available(self.device):
+            log.warning(
+                "this CUDA driver cannot set or wait on host flags from a stream (cuStreamWriteValue64, "
+                "cuStreamWaitValue64), which the CPU attention's hand-offs need; offloading is off"
+            )
+            return
         if config.offload_policy == "auto" and self.device.type == "cpu" and config.num_gpu_blocks is None:
             log.info("offload_policy auto on a CPU device with no num_gpu_blocks limit: nothing to offload")
             return
@@ -151,17 +159,18 @@ class ModelRunner:
             self.partition.stream() if self.partition else None,
         )
         self.swapper.warm_up(self.num_gpu_blocks)
-        self.pipeline = PipelinedExecutor(self.host_attention, self._capture_lane_graphs())
+        hand_offs = [HandOffBuffers(self.model, config.max_num_seqs, self.device) for _ in range(2)]
+        self.pipeline = PipelinedExecutor(self.host_attention, hand_offs, self._capture_lane_graphs(hand_offs))
         self.offload_policy = config.offload_policy
 
-    def _capture_lane_graphs(self) -> list[LaneGraphs] | None:
+    def _capture_lane_graphs(self, hand_offs: list[HandOffBuffers]) -> list[LaneGraphs] | None:
         """Segment graphs for the pipeline's two lanes; lane 0 may carry no host rows, lane 1 always does."""
         if self.decode_graphs is None:
             return None
         start = time.monotonic()
         lanes = [
-            LaneGraphs(self.model, self._decode_inputs(), (False, True), self.gemms),
-            LaneGraphs(self.model, self._decode_inputs(), (True,), self.gemms),
+            LaneGraphs(self.model, self._decode_inputs(), (False, True), self.gemms, hand_offs[0]),
+            LaneGraphs(self.model, self._decode_inputs(), (True,), self.gemms, hand_offs[1]),
         ]
         log.info(
             "captured %d pipeline segment graphs in %.1fs", sum(len(g.graphs) for g in lanes), time.monotonic() - start

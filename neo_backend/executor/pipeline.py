@@ -8,7 +8,7 @@ CPU attention (the kernel releases the GIL):
     host:           | a0(L) | a1(L)   | a0(L+1) | ...     a = decode attention over the host pool
 
 The device waits for a CPU attention result right before the dense work that consumes it: on CUDA with a
-device-side wait on the host's flag (stream_waits.py), so the launching thread queues the whole iteration at
+device-side wait on the host's flag (stream_flags.py), so the launching thread queues the whole iteration at
 once; elsewhere the launching thread waits, by which time the device has the other sub-batch's work queued.
 With one sub-batch this is the sequential mode. A decode-only sub-batch replays captured segment graphs
 (`GraphLane`); one that carries prefills, or runs without CUDA graphs, launches its kernels eagerly (`EagerLane`).
@@ -22,19 +22,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cpu.handoff import HAND_OFF_SPIN_S, Flags, IterationLane
+from ..cpu.handoff import Flags, IterationLane, spin_seconds
 from ..errors import KernelError
 from ..layers.attention import AttentionMetadata
 from .cuda_graphs import LaneGraphs
 from .host_attention import HostAttention, HostDecodeBatch
-from .segments import HostHandOff, LayerSegments
-from .stream_waits import available, enqueue_wait
-
-
-def spin_seconds(device: torch.device) -> float:
-    """On CUDA the launching thread and the CPU-attention thread each have a core of their own and spin; on a
-    CPU device they share the cores with the "device" work and poll."""
-    return HAND_OFF_SPIN_S if device.type == "cuda" else 0.0
+from .segments import HandOffBuffers, HostHandOff, LayerSegments
+from .stream_flags import enqueue_wait
 
 
 @dataclass
@@ -47,36 +41,26 @@ class SubBatch:
 
 class EagerLane(LayerSegments):
     """A sub-batch laid out as [prefills | device decodes | host decodes], run with eager launches. Its host
-    rows go through buffers allocated once per iteration (pinned on CUDA), like a `GraphLane`'s."""
+    rows go through the lane's `HandOffBuffers`, like a `GraphLane`'s."""
 
-    def __init__(self, model, sub: SubBatch) -> None:
+    def __init__(self, model, sub: SubBatch, hand_off: HandOffBuffers) -> None:
         self.sub = sub
-        self.device = sub.input_ids.device
-        host = None if sub.host_batch is None else self._host_buffers(model, sub)
+        host = None if sub.host_batch is None else HostHandOff(hand_off, sub.meta.num_device_tokens)
         super().__init__(model, sub.input_ids, sub.positions, sub.meta, host)
+        self.hand_off = hand_off
         self.hidden: torch.Tensor | None = None
         self.residual: torch.Tensor | None = None
         self.attn_out: torch.Tensor | None = None
 
-    def _host_buffers(self, model, sub: SubBatch) -> HostHandOff:
-        cfg, dtype = model.rank_config, model.embed_tokens.weight.dtype
-        pin = self.device.type == "cuda"
-        rows = sub.host_batch.size
-        qkv = torch.empty(rows, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, dtype=dtype, pin_memory=pin)
-        out = torch.empty(rows, cfg.num_heads, cfg.head_dim, dtype=dtype, pin_memory=pin)
-        ready = Flags(len(model.layers), spin_seconds(self.device), pin=pin)
-        return HostHandOff(
-            qkv, out, sub.meta.num_device_tokens, ready, torch.ones(1, dtype=torch.int64, device=self.device)
-        )
-
     @property
     def ready(self) -> Flags:
-        return self.host.ready
+        return self.hand_off.ready
 
     def saved(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.host is not None:
-            self.attn_out[self.host.first_row :] = self.host.out.to(self.device, non_blocking=True)
-        return self.attn_out, self.residual
+        if self.host is None:
+            return self.attn_out, self.residual
+        host_out = self.hand_off.out_on_device[: self.sub.host_batch.size]
+        return torch.cat((self.attn_out[: self.host.first_row], host_out)), self.residual
 
     def save(self, attn: torch.Tensor, residual: torch.Tensor) -> None:
         self.attn_out, self.residual = attn, residual
@@ -85,9 +69,9 @@ class EagerLane(LayerSegments):
         self.hidden = hidden
 
     def host_lane(self) -> IterationLane:
-        b, h = self.sub.host_batch, self.host
-        q, k, v = self.model.layers[0].split_qkv(h.qkv)
-        return IterationLane(q, k, v, h.out, b.block_tables, b.context_lens, b.slots, h.ready)
+        b, h = self.sub.host_batch, self.hand_off
+        q, k, v = self.model.layers[0].split_qkv(h.qkv[: b.size])
+        return IterationLane(q, k, v, h.out[: b.size], b.block_tables, b.context_lens, b.slots, h.ready)
 
     def final(self) -> torch.Tensor:
         return self.hidden
@@ -102,16 +86,16 @@ class GraphLane:
         self.num_device = sub.meta.num_decodes
         self.with_host = sub.host_batch is not None
         self.bs = graphs.load(sub.input_ids, sub.positions, sub.meta, self.rows - self.num_device)
-        self.ready = graphs.ready
+        self.ready = graphs.hand_off.ready
 
     def segment(self, layer_idx: int) -> None:
         self.graphs.replay(self.bs, self.with_host, layer_idx)
 
     def host_lane(self) -> IterationLane:
         rows = slice(self.num_device, self.rows)
-        g, b = self.graphs, self.sub.host_batch
-        q, k, v = g.model.layers[0].split_qkv(g.host_qkv[rows])
-        return IterationLane(q, k, v, g.host_out[rows], b.block_tables, b.context_lens, b.slots, g.ready)
+        h, b = self.graphs.hand_off, self.sub.host_batch
+        q, k, v = self.graphs.model.layers[0].split_qkv(h.qkv[rows])
+        return IterationLane(q, k, v, h.out[rows], b.block_tables, b.context_lens, b.slots, h.ready)
 
     def final(self) -> torch.Tensor:
         return self.graphs.final[: self.rows]
@@ -121,12 +105,11 @@ class PipelinedExecutor:
     """Runs the lanes layer by layer on the launching thread while a worker thread runs their CPU attention.
 
     The worker spends the whole iteration in one library call (`HostAttention.run_iteration`), so no Python
-    and no GIL sits between layers on the CPU side. Hand-offs go through `Flags` in host memory: the device
-    sets a lane's ready flag for a layer with a copy queued behind that layer's q/k/v copies, the library sets
-    a done flag per step (layer x lanes with host rows, in launch order), and the device waits on it with a
-    stream wait queued before the segment that consumes it (where CUDA has them: `device_waits`); otherwise
-    the launching thread waits on it by spinning in C with the GIL released. A layer's hand-off costs
-    microseconds, not thread wake-ups.
+    and no GIL sits between layers on the CPU side. Hand-offs go through `Flags` in host memory: a lane's
+    stream sets its ready flag for a layer behind that layer's q/k/v (`HandOffBuffers`), the library sets a done
+    flag per step (layer x lanes with host rows, in launch order), and on CUDA the device waits on it with a
+    stream wait queued before the segment that consumes it; on a CPU device the launching thread waits on it by
+    spinning in C with the GIL released. A layer's hand-off costs microseconds, not thread wake-ups.
 
     An iteration resets the flags once the device is through the last one's waits (`queued`), so no wait ever
     reads a flag of the next.
@@ -135,14 +118,18 @@ class PipelinedExecutor:
     # Far beyond any iteration; a hand-off that takes longer means the other side is gone.
     HANDOFF_TIMEOUT_S = 120.0
 
-    def __init__(self, host_attention: HostAttention, lane_graphs: list[LaneGraphs] | None) -> None:
+    def __init__(
+        self, host_attention: HostAttention, hand_offs: list[HandOffBuffers], lane_graphs: list[LaneGraphs] | None
+    ) -> None:
+        """`hand_offs`: each lane's host rows (lane i's graphs, if any, were captured against `hand_offs[i]`)."""
         self.host_attention = host_attention
+        self.hand_offs = hand_offs
         self.lane_graphs = lane_graphs
         self.worker = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="neo-cpu-attention", initializer=host_attention.enter_thread
         )
         self.worker.submit(int).result()  # the worker starts now, not in the first iteration
-        self.device_waits = available(host_attention.device)
+        self.device_waits = host_attention.device.type == "cuda"  # the runner checked `stream_flags.available`
         self.done = Flags(0, spin_seconds(host_attention.device), pin=self.device_waits)
         self.queued: torch.cuda.Event | None = None  # recorded behind the last iteration's device waits
 
@@ -200,7 +187,7 @@ class PipelinedExecutor:
 
     def _abandon(self, host_lanes: list[EagerLane | GraphLane], issued: list[int], job: Future | None) -> None:
         """The launching side failed mid-iteration: stop the worker at the first step it will never get, and
-        let queued device copies land before the flags are reused."""
+        let the device's queued work end before the flags and buffers are reused."""
         for lane, count in zip(host_lanes, issued):
             lane.ready.fail_from(count)
         if job is not None:
@@ -213,7 +200,7 @@ class PipelinedExecutor:
         graphs = self.lane_graphs[index] if self.lane_graphs is not None else None
         if graphs is not None and not sub.meta.prefills and graphs.inputs.fits(sub.input_ids.numel()):
             return GraphLane(graphs, sub)
-        return EagerLane(model, sub)
+        return EagerLane(model, sub, self.hand_offs[index])
 
     def shutdown(self) -> None:
         self.worker.shutdown(wait=True)

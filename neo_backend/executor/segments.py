@@ -10,33 +10,51 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
+from ..cpu.handoff import Flags, spin_seconds
 from ..layers.attention import AttentionMetadata
+from ..staging import device_view, write_rows
+from . import stream_flags
 
-if TYPE_CHECKING:
-    from ..cpu.handoff import Flags
+
+class HandOffBuffers:
+    """A lane's host rows in host memory, allocated once for up to `max_rows` rows: their q/k/v packed as
+    `split_qkv` reads them, the CPU attention's output, and one ready flag a layer. On CUDA they are pinned and
+    the device's kernels reach them in place (`device_view`): a segment writes q/k/v into host memory and reads
+    the output from it, and its stream sets the flag behind them. Copies there put the copy engine between the
+    device's kernels three times a layer (~0.5 ms of a sequential iteration at 8 SMs, bench/RESULTS.md)."""
+
+    def __init__(self, model, max_rows: int, device: torch.device) -> None:
+        cfg, dtype = model.rank_config, model.embed_tokens.weight.dtype
+        self.on_cuda = device.type == "cuda"
+        qkv_size = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+        self.qkv = torch.zeros(max_rows, qkv_size, dtype=dtype, pin_memory=self.on_cuda)
+        self.out = torch.zeros(max_rows, cfg.num_heads, cfg.head_dim, dtype=dtype, pin_memory=self.on_cuda)
+        self.qkv_on_device = device_view(self.qkv, device)
+        self.out_on_device = device_view(self.out, device)
+        self.ready = Flags(len(model.layers), spin_seconds(device), pin=self.on_cuda)
+
+    def send(self, layer_idx: int, qkv: torch.Tensor) -> None:
+        """Writes `qkv` (a lane's host rows, packed) to host memory, then sets the layer's ready flag."""
+        write_rows(self.qkv_on_device[: qkv.shape[0]], qkv)
+        if self.on_cuda:
+            stream_flags.enqueue_set(torch.cuda.current_stream(), self.ready.address(layer_idx))
+        else:
+            self.ready.set(layer_idx)
 
 
 @dataclass
 class HostHandOff:
-    """Host buffers of a lane's host rows: each layer copies rows `first_row:` of its packed q/k/v (`split_qkv`)
-    into `qkv` in one piece and then sets the layer's `ready` flag; the CPU attention reads q/k/v as views of
-    `qkv` and writes `out`. One copy: copying q, k and v apart took three gathers into contiguous tensors and three
-    copies, and the device's own attention started 56 us after the rotary kernel instead of 22 at 8 SMs
-    (bench/RESULTS.md)."""
+    """Where a lane's rows meet its `HandOffBuffers`: each layer sends rows `first_row:` of its packed q/k/v, and
+    the CPU attention writes their output to the buffers' first rows."""
 
-    qkv: torch.Tensor
-    out: torch.Tensor
+    buffers: HandOffBuffers
     first_row: int
-    ready: Flags
-    one: torch.Tensor  # the value `ready.set_in_order` copies in, on the lane's device
 
     def send(self, layer_idx: int, qkv: torch.Tensor) -> None:
-        self.qkv.copy_(qkv[self.first_row :], non_blocking=True)
-        self.ready.set_in_order(layer_idx, self.one)
+        self.buffers.send(layer_idx, qkv[self.first_row :])
 
 
 class LayerSegments(ABC):

@@ -15,7 +15,7 @@ from engine_helpers import collect, fixed_perf_model, mixed_requests
 from neo_backend import EngineConfig, LLMEngine
 from neo_backend.config import ModelConfig
 from neo_backend.cpu.handoff import Flags
-from neo_backend.executor import stream_waits
+from neo_backend.executor import stream_flags
 from neo_backend.executor.host_pool import HostKVCache
 from neo_backend.executor.swapper import BlockSwapper
 from neo_backend.layers import fused
@@ -24,6 +24,7 @@ from neo_backend.layers.blas import LIBRARIES
 from neo_backend.layers.norm import add_rms_norm_reference
 from neo_backend.layers.paged_decode import decode_attention, decode_attention_reference
 from neo_backend.layers.rotary import RotaryEmbedding, rotate_reference
+from neo_backend.staging import device_view, write_rows
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -380,13 +381,13 @@ def test_a_swap_launch_in_a_fresh_process_does_not_wait_for_queued_copies():
 def test_a_stream_waits_on_a_host_flag_until_it_is_set_or_failed(final):
     """The pipeline's device-side wait: work queued behind it runs only once the CPU side sets the flag, and a
     flag the CPU side marked failed releases it too, so a failed iteration never leaves the device waiting."""
-    assert stream_waits.available(torch.device("cuda"))
+    assert stream_flags.available(torch.device("cuda"))
     flag = torch.zeros(1, dtype=torch.int64, pin_memory=True)
     out = torch.zeros(1, device="cuda")
     stream, after = torch.cuda.Stream(), torch.cuda.Event()
     try:
         with torch.cuda.stream(stream):
-            stream_waits.enqueue_wait(stream, flag.data_ptr())
+            stream_flags.enqueue_wait(stream, flag.data_ptr())
             out.fill_(1.0)
             after.record()
         time.sleep(0.3)
@@ -399,3 +400,27 @@ def test_a_stream_waits_on_a_host_flag_until_it_is_set_or_failed(final):
         assert out.item() == 1.0
     finally:
         flag[0] = 1  # never leave the stream waiting
+
+
+def test_kernels_hand_rows_over_in_host_memory_and_the_stream_flags_them():
+    """The pipeline's hand-off without copies: a kernel writes rows into pinned host memory through its
+    `device_view` (bit for bit, signed zeros too), the stream sets a host flag behind that write, and a kernel
+    reads back what the host wrote there since."""
+    rows = torch.randn(3, 4096, dtype=torch.bfloat16, device="cuda")
+    rows[0, :8] = -0.0
+    host = torch.zeros(3, 4096, dtype=torch.bfloat16, pin_memory=True)
+    flag = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+    view = device_view(host, torch.device("cuda"))
+    assert view.is_cuda and view.data_ptr() == host.data_ptr() and view.shape == host.shape
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(50_000_000)  # tens of ms of device time ahead of the write and the flag
+        write_rows(view, rows)
+        stream_flags.enqueue_set(stream, flag.data_ptr())
+    deadline = time.monotonic() + 10.0
+    while int(flag[0]) == 0:
+        assert time.monotonic() < deadline, "the stream never set the flag"
+        time.sleep(0.0005)
+    assert torch.equal(host.view(torch.int16), rows.cpu().view(torch.int16))
+    host.neg_()
+    assert torch.equal((view * 1).cpu(), -rows.cpu())
