@@ -160,6 +160,12 @@ class ModelRunner:
         )
         self.swapper.warm_up(self.num_gpu_blocks)
         hand_offs = [HandOffBuffers(self.model, config.max_num_seqs, self.device) for _ in range(2)]
+        if self.device.type == "cuda":
+            log.info(
+                "pipeline hand-offs: %d rows a lane in pinned host memory, which the device reads and writes in "
+                "place; its stream sets and waits on each layer's flags",
+                config.max_num_seqs,
+            )
         self.pipeline = PipelinedExecutor(self.host_attention, hand_offs, self._capture_lane_graphs(hand_offs))
         self.offload_policy = config.offload_policy
 
