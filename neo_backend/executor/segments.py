@@ -47,8 +47,9 @@ class HandOffBuffers:
 
 @dataclass
 class HostHandOff:
-    """Where a lane's rows meet its `HandOffBuffers`: each layer sends rows `first_row:` of its packed q/k/v, and
-    the CPU attention writes their output to the buffers' first rows."""
+    """Where a lane's rows meet its `HandOffBuffers`: each layer sends rows `first_row:` of its packed q/k/v to the
+    buffers' first rows, and the CPU attention writes the host rows' outputs to the same rows (a graph lane sends
+    a whole bucket, its device rows too, and merges back only the host rows)."""
 
     buffers: HandOffBuffers
     first_row: int
