@@ -231,7 +231,7 @@ class _BucketSegments(LayerSegments):
         g, bs = self.graphs, self.bs
         attn = g.attn[:bs]
         if self.host is not None:
-            attn = torch.where(g.host_mask[:bs], g.hand_off.out_on_device[:bs], attn)
+            attn = torch.where(g.host_mask[:bs], self.host.buffers.out_on_device[:bs], attn)
         return attn, g.residual[:bs]
 
     def save(self, attn: torch.Tensor, residual: torch.Tensor) -> None:

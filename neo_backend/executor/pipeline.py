@@ -47,19 +47,18 @@ class EagerLane(LayerSegments):
         self.sub = sub
         host = None if sub.host_batch is None else HostHandOff(hand_off, sub.meta.num_device_tokens)
         super().__init__(model, sub.input_ids, sub.positions, sub.meta, host)
-        self.hand_off = hand_off
         self.hidden: torch.Tensor | None = None
         self.residual: torch.Tensor | None = None
         self.attn_out: torch.Tensor | None = None
 
     @property
     def ready(self) -> Flags:
-        return self.hand_off.ready
+        return self.host.buffers.ready
 
     def saved(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.host is None:
             return self.attn_out, self.residual
-        host_out = self.hand_off.out_on_device[: self.sub.host_batch.size]
+        host_out = self.host.buffers.out_on_device[: self.sub.host_batch.size]
         return torch.cat((self.attn_out[: self.host.first_row], host_out)), self.residual
 
     def save(self, attn: torch.Tensor, residual: torch.Tensor) -> None:
@@ -69,7 +68,7 @@ class EagerLane(LayerSegments):
         self.hidden = hidden
 
     def host_lane(self) -> IterationLane:
-        b, h = self.sub.host_batch, self.hand_off
+        b, h = self.sub.host_batch, self.host.buffers
         q, k, v = self.model.layers[0].split_qkv(h.qkv[: b.size])
         return IterationLane(q, k, v, h.out[: b.size], b.block_tables, b.context_lens, b.slots, h.ready)
 
