@@ -81,7 +81,7 @@ class Flags:
 @dataclass
 class IterationLane:
     """One sub-batch's CPU decodes in a pipelined iteration: the same host buffers serve every layer (each
-    layer's q/k/v are copied in before its `ready` flag is set), and `ready` holds one flag per layer."""
+    layer's q/k/v are written there before its `ready` flag is set), and `ready` holds one flag per layer."""
 
     q: torch.Tensor
     k: torch.Tensor

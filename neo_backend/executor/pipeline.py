@@ -68,9 +68,7 @@ class EagerLane(LayerSegments):
         self.hidden = hidden
 
     def host_lane(self) -> IterationLane:
-        b, h = self.sub.host_batch, self.host.buffers
-        q, k, v = self.model.layers[0].split_qkv(h.qkv[: b.size])
-        return IterationLane(q, k, v, h.out[: b.size], b.block_tables, b.context_lens, b.slots, h.ready)
+        return self.host.buffers.iteration_lane(slice(0, self.sub.host_batch.size), self.sub.host_batch)
 
     def final(self) -> torch.Tensor:
         return self.hidden
@@ -91,10 +89,7 @@ class GraphLane:
         self.graphs.replay(self.bs, self.with_host, layer_idx)
 
     def host_lane(self) -> IterationLane:
-        rows = slice(self.num_device, self.rows)
-        h, b = self.graphs.hand_off, self.sub.host_batch
-        q, k, v = self.graphs.model.layers[0].split_qkv(h.qkv[rows])
-        return IterationLane(q, k, v, h.out[rows], b.block_tables, b.context_lens, b.slots, h.ready)
+        return self.graphs.hand_off.iteration_lane(slice(self.num_device, self.rows), self.sub.host_batch)
 
     def final(self) -> torch.Tensor:
         return self.graphs.final[: self.rows]

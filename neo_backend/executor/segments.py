@@ -10,13 +10,17 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from ..cpu.handoff import Flags, spin_seconds
-from ..layers.attention import AttentionMetadata
+from ..cpu.handoff import Flags, IterationLane, spin_seconds
+from ..layers.attention import AttentionMetadata, split_qkv
 from ..staging import device_view, write_rows
 from . import stream_flags
+
+if TYPE_CHECKING:
+    from .host_attention import HostDecodeBatch
 
 
 class HandOffBuffers:
@@ -28,6 +32,7 @@ class HandOffBuffers:
 
     def __init__(self, model, max_rows: int, device: torch.device) -> None:
         cfg, dtype = model.rank_config, model.embed_tokens.weight.dtype
+        self.heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         self.on_cuda = device.type == "cuda"
         qkv_size = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
         self.qkv = torch.zeros(max_rows, qkv_size, dtype=dtype, pin_memory=self.on_cuda)
@@ -43,6 +48,12 @@ class HandOffBuffers:
             stream_flags.enqueue_set(torch.cuda.current_stream(), self.ready.address(layer_idx))
         else:
             self.ready.set(layer_idx)
+
+    def iteration_lane(self, rows: slice, batch: HostDecodeBatch) -> IterationLane:
+        """The CPU attention's side of host rows `rows`: it reads their q/k/v from these buffers and writes their
+        outputs back to them."""
+        q, k, v = split_qkv(self.qkv[rows], *self.heads)
+        return IterationLane(q, k, v, self.out[rows], batch.block_tables, batch.context_lens, batch.slots, self.ready)
 
 
 @dataclass
