@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU path on the H200 machine in one go: builds the CPU kernel, checks the CUDA paths, then times the
 # engine against its roofline (with a kernel profile of the prefill and decode steps), where its decode step's
-# and prefill's time goes (bench/breakdown.py) and the pipeline overlap.
+# and prefill's time goes (bench/breakdown.py), what a prompt of a new length costs (bench/prefill_lengths.py) and
+# the pipeline overlap.
 # Logs and JSON land in $OUT; figures afterwards with bench/plots.py (its flags name the files).
 # Run from the repository root:  bash bench/h200.sh   (OUT defaults to bench/results/tmp)
 set -u
@@ -19,5 +20,6 @@ step() { local limit=$1; shift; echo "=== $* (limit ${limit}s)"; timeout "$limit
   step 150 python3 bench/engine.py --roofline --profile --num-requests 8 --prompt-len 1000 --output-len 4 \
       --tokenizer "$TOKENIZER" --json "$OUT/h200_engine_roofline.json"
   step 150 python3 bench/breakdown.py --tokenizer "$TOKENIZER" --json "$OUT/h200_breakdown.json"
+  step 120 python3 bench/prefill_lengths.py --tokenizer "$TOKENIZER" --json "$OUT/h200_prefill_lengths.json"
   step 150 python3 bench/pipeline_overlap.py --tokenizer "$TOKENIZER" --json "$OUT/h200_pipeline_overlap.json"
 } 2>&1 | tee "$OUT/log.txt" | grep -v "^INFO\| INFO "

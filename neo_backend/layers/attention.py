@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import fused, paged_decode
 from .rotary import RotaryEmbedding
@@ -139,15 +140,21 @@ class PagedAttention(torch.nn.Module):
         return _sdpa(q, k_all, v_all, mask=mask, scale=self.scale)
 
 
+# cuDNN's attention builds a graph for every new sequence length it meets: ~75-80 ms on an H100 (once ~1 s), a
+# stall of the whole step for each prompt of a length not seen before. Flash attention has no such cost.
+_PREFILL_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
     """Causal (mask=None) or masked attention of one sequence: q [Tq, Hq, D], k/v [Tk, Hkv, D]. SDPA's fused
-    CUDA kernels need 4-D inputs. The causal one takes grouped K/V heads as they are (`enable_gqa`: cuDNN's
-    kernel on Hopper); the masked one has no fused kernel for them, so K/V heads are repeated there."""
+    CUDA kernels need 4-D inputs. The causal one takes grouped K/V heads as they are (`enable_gqa`: flash
+    attention on CUDA); the masked one has no fused kernel for them, so K/V heads are repeated there."""
     group = q.shape[1] // k.shape[1]
     if group > 1 and mask is not None:
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-    out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=group > 1 and mask is None
-    )
+    with sdpa_kernel(_PREFILL_BACKENDS):
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=group > 1 and mask is None
+        )
     return out.squeeze(0).transpose(0, 1)
