@@ -17,7 +17,6 @@ import logging
 import random
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -31,34 +30,31 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 from neo_backend import EngineConfig, LLMEngine  # noqa: E402
 from neo_backend.layers import attention  # noqa: E402
+from neo_backend.timing import median_seconds  # noqa: E402
 
 NEW_LENGTHS = (1000, 1001, 777, 2049, 123, 3001)
+CUDA = torch.device("cuda")
 ENGINE_BACKENDS = list(attention._PREFILL_BACKENDS)
 WITH_CUDNN = [SDPBackend.CUDNN_ATTENTION, *ENGINE_BACKENDS]
 
 
-def wall_ms(fn: Callable[[], object]) -> float:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) * 1e3
+def wall_ms(call: Callable[[], object], reps: int = 1) -> float:
+    """Median ms of `reps` calls, each waiting for its device work; with one, the call's own time."""
+    return median_seconds(call, reps, device=CUDA) * 1e3
 
 
 def sdpa_first_calls(backend: SDPBackend, lengths: tuple[int, ...]) -> list[dict]:
     rows = []
     for length in lengths:
-        q = torch.randn(1, 32, length, 128, device="cuda", dtype=torch.bfloat16)
-        k, v = torch.randn(2, 1, 8, length, 128, device="cuda", dtype=torch.bfloat16)
+        q = torch.randn(1, 32, length, 128, device=CUDA, dtype=torch.bfloat16)
+        k, v = torch.randn(2, 1, 8, length, 128, device=CUDA, dtype=torch.bfloat16)
 
         def call() -> None:
             with sdpa_kernel([backend]):
                 F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
         first = wall_ms(call)
-        rows.append(
-            {"length": length, "first_ms": first, "next_ms": statistics.median(wall_ms(call) for _ in range(3))}
-        )
+        rows.append({"length": length, "first_ms": first, "next_ms": wall_ms(call, 3)})
     return rows
 
 
