@@ -371,12 +371,17 @@ def serve() -> int:
 
 
 def is_ready(address: ServerAddress, timeout: float = 1.0) -> bool:
-    """Whether the server answers HTTP /v2/health/ready with 200 (the model has loaded, profiled and allocated)."""
+    """Whether the server answers HTTP /v2/health/ready with 200 (the model has loaded, profiled and allocated)
+    and serves its metrics page, which tritonserver starts a moment after the HTTP service."""
+    urls = (f"http://{address.url('http')}/v2/health/ready", f"http://{address.url('metrics')}/metrics")
     try:
-        with urllib.request.urlopen(f"http://{address.url('http')}/v2/health/ready", timeout=timeout) as response:
-            return response.status == 200
+        for url in urls:
+            with urllib.request.urlopen(url, timeout=timeout) as response:
+                if response.status != 200:
+                    return False
     except (urllib.error.URLError, OSError):
         return False
+    return True
 
 
 def ready_banner(address: ServerAddress, gateway_url: str | None) -> list[str]:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import numpy as np
@@ -23,10 +25,13 @@ from neo_backend.triton.parameters import engine_config
 from neo_backend.triton.request import RequestSpec
 from neo_backend.triton.responses import ErrorCode, ResponseWriter, is_cancelled, rejection, send_quietly
 from neo_backend.triton.server import (
+    ServerAddress,
     ServerSetupError,
     TritonInstall,
     check_stub_environment,
     find_tritonserver,
+    free_ports,
+    is_ready,
     knob_overrides,
 )
 from neo_backend.triton.sigterm import SigtermWatcher
@@ -465,3 +470,26 @@ def test_an_interpreter_without_neo_backend_is_refused_before_the_server_starts(
     monkeypatch.setattr(sys, "executable", str(venv / "bin" / "python"))
     with pytest.raises(ServerSetupError, match="neo_backend is not installed for .*make install"):
         check_stub_environment(TritonInstall(Path("/opt/tritonserver/bin/tritonserver")))
+
+
+class _Answers200(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def test_ready_waits_for_the_metrics_page_which_tritonserver_starts_after_http():
+    """Triton reports ready on HTTP a moment before its metrics service listens; a caller told "ready" scrapes
+    the metrics page at once, so readiness must include it."""
+    with contextlib.ExitStack() as stack:
+        http, metrics = (stack.enter_context(ThreadingHTTPServer(("127.0.0.1", 0), _Answers200)) for _ in range(2))
+        for served in (http, metrics):
+            threading.Thread(target=served.serve_forever, daemon=True).start()
+            stack.callback(served.shutdown)
+        http_port, metrics_port = http.server_address[1], metrics.server_address[1]
+        (unused_port,) = free_ports(1)
+        assert is_ready(ServerAddress("127.0.0.1", http_port, unused_port, metrics_port), timeout=5)
+        assert not is_ready(ServerAddress("127.0.0.1", http_port, metrics_port, unused_port), timeout=5)
