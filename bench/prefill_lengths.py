@@ -1,12 +1,14 @@
-"""What a prompt of a length the server has not seen before costs, by prefill attention backend.
+"""What prefill attention costs by prompt length and batch shape.
 
-    python bench/prefill_lengths.py --tokenizer DIR --json bench/results/h100_prefill_lengths.json
+    python bench/prefill_lengths.py --tokenizer DIR --json bench/results/h200_prefill_lengths.json
 
-Llama-3-8B shape, dummy bf16 weights, `never`, on CUDA. Two parts:
+Llama-3-8B shape, dummy bf16 weights, `never`, on CUDA. Three parts:
 - SDPA alone, on one layer's prefill shape (32 query and 8 KV heads of 128, causal, `enable_gqa`): each backend's
   first call at lengths it has not met, against its next calls. cuDNN's builds a graph per new shape.
 - The engine: one request (prefill and one token) of a new prompt length against one of a length seen before,
-  and the warm prefill of 8 x 1000 tokens, with the engine's prefill backends and with cuDNN allowed first.
+  and the warm prefill of 8 x 1000 tokens.
+- The engine's prefill of several batch shapes with the prompts that start in a step in one variable-length flash
+  attention call (`layers/attention.py`) against one flash call per prompt, alternating in one process.
 """
 
 from __future__ import annotations
@@ -33,9 +35,8 @@ from neo_backend.layers import attention  # noqa: E402
 from neo_backend.timing import median_seconds  # noqa: E402
 
 NEW_LENGTHS = (1000, 1001, 777, 2049, 123, 3001)
+BATCH_SHAPES = {f"{n}x{length}": [length] * n for n, length in ((8, 1000), (32, 128), (64, 100), (2, 3000), (1, 1000))}
 CUDA = torch.device("cuda")
-ENGINE_BACKENDS = list(attention._PREFILL_BACKENDS)
-WITH_CUDNN = [SDPBackend.CUDNN_ATTENTION, *ENGINE_BACKENDS]
 
 
 def wall_ms(call: Callable[[], object], reps: int = 1) -> float:
@@ -58,21 +59,40 @@ def sdpa_first_calls(backend: SDPBackend, lengths: tuple[int, ...]) -> list[dict
     return rows
 
 
-def engine_costs(engine: LLMEngine, backends: list[SDPBackend], first_length: int) -> dict:
+def prefill_ms(engine: LLMEngine, lengths: list[int], rng: random.Random) -> float:
+    """Wall ms of prompts of these lengths (random tokens) prefilled and given one token each."""
+    prompts = [[rng.randrange(1000, 30000) for _ in range(n)] for n in lengths]
+    return wall_ms(lambda: engine.generate(prompts, {"max_tokens": 1, "temperature": 0, "ignore_eos": True}))
+
+
+def engine_costs(engine: LLMEngine, first_length: int) -> dict:
     """Median wall ms of one request of a new length, of one of a seen length, and of a warm 8 x 1000 prefill."""
-    attention._PREFILL_BACKENDS = backends
     rng = random.Random(first_length)
-
-    def generate(lengths: list[int]) -> float:
-        prompts = [[rng.randrange(1000, 30000) for _ in range(n)] for n in lengths]
-        return wall_ms(lambda: engine.generate(prompts, {"max_tokens": 1, "temperature": 0, "ignore_eos": True}))
-
-    generate([1000] * 8)
+    prefill_ms(engine, [1000] * 8, rng)
     return {
-        "new_length_ms": statistics.median(generate([first_length + 7 * i]) for i in range(6)),
-        "seen_length_ms": statistics.median(generate([1000]) for _ in range(3)),
-        "prefill_8x1000_ms": statistics.median(generate([1000] * 8) for _ in range(4)),
+        "new_length_ms": statistics.median(prefill_ms(engine, [first_length + 7 * i], rng) for i in range(6)),
+        "seen_length_ms": statistics.median(prefill_ms(engine, [1000], rng) for _ in range(3)),
+        "prefill_8x1000_ms": statistics.median(prefill_ms(engine, [1000] * 8, rng) for _ in range(4)),
     }
+
+
+def varlen_against_per_prompt(engine: LLMEngine, rounds: int = 3) -> dict:
+    """Median wall ms of each batch shape's prefill, its prompts attended in one variable-length call and in one
+    call each, after a warm-up round of both."""
+    rng = random.Random(0)
+    varlen = attention._flash_varlen_supported
+    times = {name: {"varlen_ms": [], "per_prompt_ms": []} for name in BATCH_SHAPES}
+    try:
+        for round_ in range(rounds + 1):
+            for mode in ("varlen_ms", "per_prompt_ms"):
+                attention._flash_varlen_supported = varlen if mode == "varlen_ms" else (lambda q: False)
+                for name, lengths in BATCH_SHAPES.items():
+                    ms = prefill_ms(engine, lengths, rng)
+                    if round_:
+                        times[name][mode].append(ms)
+    finally:
+        attention._flash_varlen_supported = varlen
+    return {name: {mode: statistics.median(ms) for mode, ms in modes.items()} for name, modes in times.items()}
 
 
 def main() -> int:
@@ -95,12 +115,15 @@ def main() -> int:
             length, first, then = row["length"], row["first_ms"], row["next_ms"]
             print(f"sdpa {name:5s} length {length:5d}: first call {first:8.2f} ms, then {then:.3f}")
     engine = LLMEngine(EngineConfig.from_cli_args(args))
-    result = {"gpu": torch.cuda.get_device_name(), "sdpa": sdpa, "engine": {}}
+    result = {"gpu": torch.cuda.get_device_name(), "sdpa": sdpa, "engine": []}
     for rep in range(2):
-        for name, backends in (("engine", ENGINE_BACKENDS), ("cudnn_first", WITH_CUDNN)):
-            costs = engine_costs(engine, backends, 1101 + 100 * (2 * rep + (name != "engine")))
-            result["engine"].setdefault(name, []).append(costs)
-            print(f"{name:11s} " + ", ".join(f"{k} {v:.1f}" for k, v in costs.items()), flush=True)
+        costs = engine_costs(engine, 1101 + 100 * rep)
+        result["engine"].append(costs)
+        print("engine " + ", ".join(f"{k} {v:.1f}" for k, v in costs.items()), flush=True)
+    result["batch_shapes"] = varlen_against_per_prompt(engine)
+    for name, row in result["batch_shapes"].items():
+        one, each = row["varlen_ms"], row["per_prompt_ms"]
+        print(f"prefill {name:7s}: one varlen call {one:7.1f} ms, a call per prompt {each:7.1f} ms ({each / one:.3f}x)")
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     return 0

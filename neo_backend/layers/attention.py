@@ -2,19 +2,23 @@
 
 One step's tokens are laid out as [prefill chunks | device decodes | host decodes]. Each token's k/v is
 written into the paged pool at its slot; prefill chunks attend causally to their sequence's cached prefix
-plus themselves; device decodes use the paged decode kernel (fused Triton kernel on CUDA, a gather + SDPA
-reference elsewhere). Host decodes (NEO's CPU-requests) ride at the end of a sub-batch; their rows of the
+plus themselves (chunks that start their sequence side by side in one variable-length flash attention call on
+CUDA); device decodes use the paged decode kernel (fused Triton kernel on CUDA, a gather + SDPA reference
+elsewhere). Host decodes (NEO's CPU-requests) ride at the end of a sub-batch; their rows of the
 output are left for the pipeline (pipeline.py) to fill from the CPU kernel.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from .. import staging
 from . import fused, paged_decode
 from .rotary import RotaryEmbedding
 
@@ -39,6 +43,15 @@ class PrefillChunk:
 
 
 @dataclass
+class CausalRun:
+    """Adjacent prefill chunks that each start their sequence (nothing cached before them), attended in one call."""
+
+    span: slice  # the run's rows among the step's tokens
+    lengths: list[int]  # each chunk's tokens, in order
+    cu_seqlens: torch.Tensor  # int32 [chunks + 1] on the device: each chunk's first row in the run, then the end
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # int64 [num_device_tokens]: pool slot of each device token's k/v
     prefills: list[PrefillChunk]
@@ -53,6 +66,23 @@ class AttentionMetadata:
     @property
     def num_device_tokens(self) -> int:
         return self.num_prefill_tokens + self.num_decodes
+
+    @functools.cached_property
+    def causal_runs(self) -> list[CausalRun]:
+        """The prefill chunks with no cached prefix, grouped into runs of adjacent ones; built once a step."""
+        runs = []
+        for fresh, group in itertools.groupby(self.prefills, key=lambda chunk: chunk.context_start == 0):
+            if not fresh:
+                continue
+            chunks = list(group)
+            lengths = [chunk.num_tokens for chunk in chunks]
+            bounds = list(itertools.accumulate(lengths, initial=0))
+            start = chunks[0].token_start
+            device = chunks[0].block_table.device
+            runs.append(
+                CausalRun(slice(start, start + bounds[-1]), lengths, staging.tensor_on(bounds, torch.int32, device))
+            )
+        return runs
 
 
 def prefill_metadata(num_tokens: int, block_size: int, device: torch.device) -> AttentionMetadata:
@@ -105,9 +135,12 @@ class PagedAttention(torch.nn.Module):
         device rows (prefills, GPU decodes); host rows of the result are left unset."""
         num_dev = meta.num_device_tokens
         out = torch.empty_like(q)
+        for run in meta.causal_runs:
+            _causal_run(q[run.span], k[run.span], v[run.span], run, self.scale, out=out[run.span])
         for chunk in meta.prefills:
-            span = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
-            out[span] = self._prefill(q[span], k[span], v[span], chunk)
+            if chunk.context_start:
+                span = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
+                out[span] = self._prefill_after_context(q[span], chunk)
         if meta.num_decodes:
             span = slice(meta.num_prefill_tokens, num_dev)
             paged_decode.decode_attention(
@@ -127,9 +160,8 @@ class PagedAttention(torch.nn.Module):
         flat_k.index_copy_(0, slot_mapping, k)
         flat_v.index_copy_(0, slot_mapping, v)
 
-    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: PrefillChunk) -> torch.Tensor:
-        if chunk.context_start == 0:
-            return _sdpa(q, k, v, mask=None, scale=self.scale)
+    def _prefill_after_context(self, q: torch.Tensor, chunk: PrefillChunk) -> torch.Tensor:
+        """A chunk attending to its sequence's cached prefix and, causally, to itself (stored in the pool)."""
         total = chunk.context_start + chunk.num_tokens
         block_size = self.k_cache.shape[1]
         blocks = chunk.block_table[: (total + block_size - 1) // block_size].long()
@@ -138,6 +170,40 @@ class PagedAttention(torch.nn.Module):
         rows = torch.arange(chunk.num_tokens, device=q.device).unsqueeze(1) + chunk.context_start
         mask = torch.arange(total, device=q.device).unsqueeze(0) <= rows
         return _sdpa(q, k_all, v_all, mask=mask, scale=self.scale)
+
+
+def _causal_run(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, run: CausalRun, scale: float, out: torch.Tensor
+) -> None:
+    """Causal attention of each chunk of a run to itself into `out`: q and out [T, Hq, D], k/v [T, Hkv, D]. On
+    CUDA in fp16/bf16 one flash attention call over the packed rows (grouped K/V heads as they are); elsewhere a
+    call per chunk. One call fills the device where a 1000-token prompt alone launches too few tiles to, and
+    saves a launch per chunk and layer."""
+    if _flash_varlen_supported(q):
+        longest = max(run.lengths)
+        result, *_ = torch.ops.aten._flash_attention_forward(
+            q, k, v, run.cu_seqlens, run.cu_seqlens, longest, longest, 0.0, True, False, scale=scale
+        )
+        out.copy_(result)
+        return
+    for parts, chunk_out in zip(zip(*(t.split(run.lengths) for t in (q, k, v))), out.split(run.lengths)):
+        chunk_out.copy_(_sdpa(*parts, mask=None, scale=scale))
+
+
+def _flash_varlen_supported(q: torch.Tensor) -> bool:
+    head_dim = q.shape[-1]
+    return (
+        q.is_cuda
+        and q.dtype in (torch.float16, torch.bfloat16)
+        and head_dim % 8 == 0
+        and head_dim <= 256
+        and _compute_capability(q.device.index)[0] >= 8
+    )
+
+
+@functools.cache
+def _compute_capability(device_index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
 
 
 # cuDNN's attention builds a graph for every new sequence length it meets: ~75-80 ms on an H100 (once ~1 s), a

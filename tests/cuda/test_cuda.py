@@ -20,6 +20,7 @@ from neo_backend.executor.host_pool import HostKVCache
 from neo_backend.executor.swapper import BlockSwapper
 from neo_backend.layers import fused
 from neo_backend.layers.activation import silu_and_mul_reference
+from neo_backend.layers.attention import AttentionMetadata, PagedAttention, PrefillChunk, split_qkv
 from neo_backend.layers.blas import LIBRARIES
 from neo_backend.layers.norm import add_rms_norm_reference
 from neo_backend.layers.paged_decode import decode_attention, decode_attention_reference
@@ -50,6 +51,61 @@ def test_triton_decode_kernel_matches_reference(
     ref = decode_attention_reference(q.double(), k.double(), v.double(), tables, lens, head_dim**-0.5)
     assert torch.isfinite(ours).all()
     assert ((ours - ref).norm() / ref.norm()).item() < 1e-2
+
+
+def _causal_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """[T, H, D] attention of every row to the rows up to it, K/V heads repeated for their query groups."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    rows = q.shape[0]
+    future = torch.ones(rows, rows, dtype=torch.bool, device=q.device).triu(1)
+    return torch.einsum("hqk,khd->qhd", scores.masked_fill(future, float("-inf")).softmax(dim=-1), v)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(32, 8, 128), (8, 8, 64)])
+def test_prefill_chunks_attend_like_the_reference(dtype, heads, kv_heads, head_dim):
+    """Prompts that start in the step (two runs of them, one call each in fp16/bf16) around a chunk that
+    continues a cached prompt, every row against exact causal attention over its whole sequence."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    block_size, scale = 16, head_dim**-0.5
+    chunks_of = [(0, 37), (0, 1000), (50, 30), (0, 1), (0, 129)]  # (tokens cached before, tokens in the step)
+    attn = PagedAttention(0, heads, kv_heads, head_dim)
+    num_blocks = sum((c + n + block_size - 1) // block_size for c, n in chunks_of)
+    attn.k_cache = torch.zeros(num_blocks, block_size, kv_heads, head_dim, device="cuda", dtype=dtype)
+    attn.v_cache = torch.zeros_like(attn.k_cache)
+    width = (heads + 2 * kv_heads) * head_dim
+    qkv = torch.empty(sum(n for _, n in chunks_of), width, device="cuda", dtype=dtype)
+    q, k, v = split_qkv(qkv, heads, kv_heads, head_dim)
+    chunks, slots, expected, first_block, row = [], [], [], 0, 0
+    for context, n in chunks_of:
+        total = context + n
+        seq_q = torch.randn(total, heads, head_dim, device="cuda", generator=gen).to(dtype)
+        seq_k, seq_v = torch.randn(2, total, kv_heads, head_dim, device="cuda", generator=gen).to(dtype)
+        table = torch.arange(first_block, first_block + (total + block_size - 1) // block_size, device="cuda")
+        seq_slots = first_block * block_size + torch.arange(total, device="cuda")
+        attn._store(seq_k[:context], seq_v[:context], seq_slots[:context])
+        q[row : row + n], k[row : row + n], v[row : row + n] = seq_q[context:], seq_k[context:], seq_v[context:]
+        chunks.append(PrefillChunk(row, n, context, table.to(torch.int32)))
+        slots.append(seq_slots[context:])
+        expected.append(_causal_reference(seq_q.double(), seq_k.double(), seq_v.double(), scale)[context:])
+        first_block, row = first_block + len(table), row + n
+    slot_mapping = torch.cat(slots)
+    attn._store(k, v, slot_mapping)
+    meta = AttentionMetadata(
+        slot_mapping=slot_mapping,
+        prefills=chunks,
+        num_prefill_tokens=row,
+        decode_block_tables=torch.zeros(0, 1, dtype=torch.int32, device="cuda"),
+        decode_context_lens=torch.zeros(0, dtype=torch.int32, device="cuda"),
+    )
+    assert [run.lengths for run in meta.causal_runs] == [[37, 1000], [1, 129]]
+    out = attn(q, k, v, meta).double()
+    for chunk, ref in zip(chunks, expected):
+        ours = out[chunk.token_start : chunk.token_start + chunk.num_tokens]
+        assert torch.isfinite(ours).all()
+        assert ((ours - ref).norm() / ref.norm()).item() < 1e-2
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
