@@ -2,10 +2,11 @@
 
 One step's tokens are laid out as [prefill chunks | device decodes | host decodes]. Each token's k/v is
 written into the paged pool at its slot; prefill chunks attend causally to their sequence's cached prefix
-plus themselves (chunks that start their sequence side by side in one variable-length flash attention call on
-CUDA); device decodes use the paged decode kernel (fused Triton kernel on CUDA, a gather + SDPA reference
-elsewhere). Host decodes (NEO's CPU-requests) ride at the end of a sub-batch; their rows of the
-output are left for the pipeline (pipeline.py) to fill from the CPU kernel.
+plus themselves (on CUDA through variable-length flash attention: chunks that start their sequence side by side
+in one call, a chunk that continues a cached prompt in one of its own); device decodes use the paged decode
+kernel (fused Triton kernel on CUDA, a gather + SDPA reference elsewhere). Host decodes (NEO's CPU-requests)
+ride at the end of a sub-batch; their rows of the output are left for the pipeline (pipeline.py) to fill from
+the CPU kernel.
 """
 
 from __future__ import annotations
@@ -43,12 +44,16 @@ class PrefillChunk:
 
 
 @dataclass
-class CausalRun:
-    """Adjacent prefill chunks that each start their sequence (nothing cached before them), attended in one call."""
+class PrefillRun:
+    """Prefill chunks attended in one call: adjacent chunks that start their sequence (their keys are their own
+    rows), or one chunk that continues a cached prompt (its keys are the sequence so far, read from the pool)."""
 
     span: slice  # the run's rows among the step's tokens
-    lengths: list[int]  # each chunk's tokens, in order
-    cu_seqlens: torch.Tensor  # int32 [chunks + 1] on the device: each chunk's first row in the run, then the end
+    lengths: list[int]  # each chunk's query rows, in order
+    key_lengths: list[int]  # each chunk's key rows: its cached prefix and its own rows
+    cu_seqlens_q: torch.Tensor  # int32 [chunks + 1] on the device: each chunk's first query row, then the end
+    cu_seqlens_k: torch.Tensor  # int32 [chunks + 1]: each chunk's first key row, then the end
+    continued: PrefillChunk | None = None  # the chunk whose prefix is cached; None for a run of new prompts
 
 
 @dataclass
@@ -68,21 +73,32 @@ class AttentionMetadata:
         return self.num_prefill_tokens + self.num_decodes
 
     @functools.cached_property
-    def causal_runs(self) -> list[CausalRun]:
-        """The prefill chunks with no cached prefix, grouped into runs of adjacent ones; built once a step."""
+    def prefill_runs(self) -> list[PrefillRun]:
+        """The prefill chunks grouped into the calls that attend them; built once a step."""
         runs = []
         for fresh, group in itertools.groupby(self.prefills, key=lambda chunk: chunk.context_start == 0):
-            if not fresh:
-                continue
             chunks = list(group)
-            lengths = [chunk.num_tokens for chunk in chunks]
-            bounds = list(itertools.accumulate(lengths, initial=0))
-            start = chunks[0].token_start
-            device = chunks[0].block_table.device
-            runs.append(
-                CausalRun(slice(start, start + bounds[-1]), lengths, staging.tensor_on(bounds, torch.int32, device))
-            )
+            if fresh:
+                runs.append(_run_of(chunks, [chunk.num_tokens for chunk in chunks], None))
+            else:
+                runs += [_run_of([chunk], [chunk.context_start + chunk.num_tokens], chunk) for chunk in chunks]
         return runs
+
+
+def _run_of(chunks: list[PrefillChunk], key_lengths: list[int], continued: PrefillChunk | None) -> PrefillRun:
+    lengths = [chunk.num_tokens for chunk in chunks]
+    bounds_q = list(itertools.accumulate(lengths, initial=0))
+    bounds_k = list(itertools.accumulate(key_lengths, initial=0))
+    cu_seqlens = staging.tensor_on(bounds_q + bounds_k, torch.int32, chunks[0].block_table.device)
+    start = chunks[0].token_start
+    return PrefillRun(
+        slice(start, start + bounds_q[-1]),
+        lengths,
+        key_lengths,
+        cu_seqlens[: len(bounds_q)],
+        cu_seqlens[len(bounds_q) :],
+        continued,
+    )
 
 
 def prefill_metadata(num_tokens: int, block_size: int, device: torch.device) -> AttentionMetadata:
@@ -135,12 +151,9 @@ class PagedAttention(torch.nn.Module):
         device rows (prefills, GPU decodes); host rows of the result are left unset."""
         num_dev = meta.num_device_tokens
         out = torch.empty_like(q)
-        for run in meta.causal_runs:
-            _causal_run(q[run.span], k[run.span], v[run.span], run, self.scale, out=out[run.span])
-        for chunk in meta.prefills:
-            if chunk.context_start:
-                span = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
-                out[span] = self._prefill_after_context(q[span], chunk)
+        for run in meta.prefill_runs:
+            keys, values = self._sequence_so_far(run.continued) if run.continued else (k[run.span], v[run.span])
+            _prefill_run(q[run.span], keys, values, run, self.scale, out=out[run.span])
         if meta.num_decodes:
             span = slice(meta.num_prefill_tokens, num_dev)
             paged_decode.decode_attention(
@@ -160,37 +173,55 @@ class PagedAttention(torch.nn.Module):
         flat_k.index_copy_(0, slot_mapping, k)
         flat_v.index_copy_(0, slot_mapping, v)
 
-    def _prefill_after_context(self, q: torch.Tensor, chunk: PrefillChunk) -> torch.Tensor:
-        """A chunk attending to its sequence's cached prefix and, causally, to itself (stored in the pool)."""
+    def _sequence_so_far(self, chunk: PrefillChunk) -> tuple[torch.Tensor, torch.Tensor]:
+        """k and v [context_start + num_tokens, Hkv, D] of a continued chunk's sequence, gathered from the pool."""
         total = chunk.context_start + chunk.num_tokens
         block_size = self.k_cache.shape[1]
         blocks = chunk.block_table[: (total + block_size - 1) // block_size].long()
-        k_all = self.k_cache[blocks].flatten(0, 1)[:total]
-        v_all = self.v_cache[blocks].flatten(0, 1)[:total]
-        rows = torch.arange(chunk.num_tokens, device=q.device).unsqueeze(1) + chunk.context_start
-        mask = torch.arange(total, device=q.device).unsqueeze(0) <= rows
-        return _sdpa(q, k_all, v_all, mask=mask, scale=self.scale)
+        return self.k_cache[blocks].flatten(0, 1)[:total], self.v_cache[blocks].flatten(0, 1)[:total]
 
 
-def _causal_run(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, run: CausalRun, scale: float, out: torch.Tensor
+def _prefill_run(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, run: PrefillRun, scale: float, out: torch.Tensor
 ) -> None:
-    """Causal attention of each chunk of a run to itself into `out`: q and out [T, Hq, D], k/v [T, Hkv, D]. On
-    CUDA in fp16/bf16 one flash attention call over the packed rows (grouped K/V heads as they are); elsewhere a
-    call per chunk. On the H200 one call prefills 8 x 1000 tokens 1.06x and 64 x 100 1.7x faster than a call per
-    chunk (bench/RESULTS.md)."""
-    if _flash_varlen_supported(q):
-        longest = max(run.lengths)
+    """Each chunk of a run attending causally to its keys into `out`: q and out [T, Hq, D], k/v [keys, Hkv, D]; a
+    chunk's last query row sees all its keys (causal from the bottom right). On CUDA in fp16/bf16 one flash
+    attention call over the packed rows (grouped K/V heads as they are); elsewhere an SDPA call per chunk. On the
+    H200 one call prefills 8 x 1000 tokens 1.06x and 64 x 100 1.7x faster than a call per chunk
+    (bench/RESULTS.md)."""
+    if _flash_supported(q):
         result, *_ = torch.ops.aten._flash_attention_forward(
-            q, k, v, run.cu_seqlens, run.cu_seqlens, longest, longest, 0.0, True, False, scale=scale
+            q,
+            k,
+            v,
+            run.cu_seqlens_q,
+            run.cu_seqlens_k,
+            max(run.lengths),
+            max(run.key_lengths),
+            0.0,
+            True,
+            False,
+            scale=scale,
         )
         out.copy_(result)
         return
-    for parts, chunk_out in zip(zip(*(t.split(run.lengths) for t in (q, k, v))), out.split(run.lengths)):
-        chunk_out.copy_(_sdpa(*parts, mask=None, scale=scale))
+    for q_chunk, k_chunk, v_chunk, out_chunk in zip(
+        q.split(run.lengths), k.split(run.key_lengths), v.split(run.key_lengths), out.split(run.lengths)
+    ):
+        out_chunk.copy_(_sdpa(q_chunk, k_chunk, v_chunk, mask=_bottom_right_causal_mask(q_chunk, k_chunk), scale=scale))
 
 
-def _flash_varlen_supported(q: torch.Tensor) -> bool:
+def _bottom_right_causal_mask(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """None where queries and keys are the same rows (SDPA's own causal mask), else query row i sees keys up to
+    i + (keys - queries)."""
+    num_q, num_k = q.shape[0], k.shape[0]
+    if num_q == num_k:
+        return None
+    rows = torch.arange(num_q, device=q.device).unsqueeze(1) + (num_k - num_q)
+    return torch.arange(num_k, device=q.device).unsqueeze(0) <= rows
+
+
+def _flash_supported(q: torch.Tensor) -> bool:
     head_dim = q.shape[-1]
     return (
         q.is_cuda

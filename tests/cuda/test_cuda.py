@@ -66,11 +66,12 @@ def _causal_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(32, 8, 128), (8, 8, 64)])
 def test_prefill_chunks_attend_like_the_reference(dtype, heads, kv_heads, head_dim):
-    """Prompts that start in the step (two runs of them, one call each in fp16/bf16) around a chunk that
-    continues a cached prompt, every row against exact causal attention over its whole sequence."""
+    """Prompts that start in the step (two runs of them, one call each in fp16/bf16) around two chunks that
+    continue cached prompts (a call each), every row against exact causal attention over its whole sequence."""
     gen = torch.Generator(device="cuda").manual_seed(1)
     block_size, scale = 16, head_dim**-0.5
-    chunks_of = [(0, 37), (0, 1000), (50, 30), (0, 1), (0, 129)]  # (tokens cached before, tokens in the step)
+    # (tokens cached before, tokens in the step)
+    chunks_of = [(0, 37), (0, 1000), (50, 30), (1100, 257), (0, 1), (0, 129)]
     attn = PagedAttention(0, heads, kv_heads, head_dim)
     num_blocks = sum((c + n + block_size - 1) // block_size for c, n in chunks_of)
     attn.k_cache = torch.zeros(num_blocks, block_size, kv_heads, head_dim, device="cuda", dtype=dtype)
@@ -100,7 +101,7 @@ def test_prefill_chunks_attend_like_the_reference(dtype, heads, kv_heads, head_d
         decode_block_tables=torch.zeros(0, 1, dtype=torch.int32, device="cuda"),
         decode_context_lens=torch.zeros(0, dtype=torch.int32, device="cuda"),
     )
-    assert [run.lengths for run in meta.causal_runs] == [[37, 1000], [1, 129]]
+    assert [run.lengths for run in meta.prefill_runs] == [[37, 1000], [30], [257], [1, 129]]
     out = attn(q, k, v, meta).double()
     for chunk, ref in zip(chunks, expected):
         ours = out[chunk.token_start : chunk.token_start + chunk.num_tokens]
