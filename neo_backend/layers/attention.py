@@ -186,9 +186,9 @@ def _prefill_run(
 ) -> None:
     """Each chunk of a run attending causally to its keys into `out`: q and out [T, Hq, D], k/v [keys, Hkv, D]; a
     chunk's last query row sees all its keys (causal from the bottom right). On CUDA in fp16/bf16 one flash
-    attention call over the packed rows (grouped K/V heads as they are); elsewhere an SDPA call per chunk. On the
-    H200 one call prefills 8 x 1000 tokens 1.06x and 64 x 100 1.7x faster than a call per chunk
-    (bench/RESULTS.md)."""
+    attention call over the packed rows (grouped K/V heads as they are); elsewhere an SDPA call per chunk. Against
+    a call per chunk, 8 x 1000 tokens prefill 1.06x and 64 x 100 1.7x faster on the H200, and 3 x 7000 (two chunks
+    continuing) 1.37x on an H100 (bench/RESULTS.md)."""
     if _flash_supported(q):
         result, *_ = torch.ops.aten._flash_attention_forward(
             q,
