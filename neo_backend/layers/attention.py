@@ -78,15 +78,14 @@ class AttentionMetadata:
         runs = []
         for fresh, group in itertools.groupby(self.prefills, key=lambda chunk: chunk.context_start == 0):
             chunks = list(group)
-            if fresh:
-                runs.append(_run_of(chunks, [chunk.num_tokens for chunk in chunks], None))
-            else:
-                runs += [_run_of([chunk], [chunk.context_start + chunk.num_tokens], chunk) for chunk in chunks]
+            runs += [_run_of(chunks)] if fresh else [_run_of([chunk]) for chunk in chunks]
         return runs
 
 
-def _run_of(chunks: list[PrefillChunk], key_lengths: list[int], continued: PrefillChunk | None) -> PrefillRun:
+def _run_of(chunks: list[PrefillChunk]) -> PrefillRun:
+    """One call's run: adjacent new prompts, or a single continued chunk."""
     lengths = [chunk.num_tokens for chunk in chunks]
+    key_lengths = [chunk.context_start + chunk.num_tokens for chunk in chunks]
     bounds_q = list(itertools.accumulate(lengths, initial=0))
     bounds_k = list(itertools.accumulate(key_lengths, initial=0))
     cu_seqlens = staging.tensor_on(bounds_q + bounds_k, torch.int32, chunks[0].block_table.device)
@@ -97,7 +96,7 @@ def _run_of(chunks: list[PrefillChunk], key_lengths: list[int], continued: Prefi
         key_lengths,
         cu_seqlens[: len(bounds_q)],
         cu_seqlens[len(bounds_q) :],
-        continued,
+        chunks[0] if chunks[0].context_start else None,
     )
 
 
