@@ -8,8 +8,9 @@ replayed `REPS` times inside one CUDA graph (no launch gaps), on layer 0's weigh
 its floor is its bytes over the measured copy bandwidth (decode) or its FLOPs over the measured bf16 matmul
 rate (prefill). Per decode point: the kernels of one layer times the layer count plus the LM head and the
 sampler ("kernels sum"), the whole model's decode graph replayed alone, and the median `engine.step()`; the step
-minus the graph and the sampler is host work the GPU waits for (scheduling, batch building, launch, output
-processing). The prefill: 8 x 1000 tokens, its GEMMs, attention and the rest, against the step's time.
+minus the graph, the LM head and the sampler (`host_gap_ms`) is the step's input copies and small kernels and any
+time the GPU waits for the host (scheduling, batch building, launch, output processing). The prefill: 8 x 1000
+tokens, its GEMMs, attention and the rest, against the step's time.
 """
 
 from __future__ import annotations
