@@ -102,9 +102,14 @@ def client_env(server: RunningServer) -> dict[str, str]:
     return {"NEO_HOST": server.address.host, "NEO_GRPC_PORT": str(server.address.grpc_port)}
 
 
-def wait_streaming(server: RunningServer) -> float:
-    """KV blocks in use once the gauges show the one streaming request."""
-    return kv_blocks_used(wait_for_metrics(server, lambda s: requests_in_engine(s) == 1, "one request in the engine"))
+def wait_streaming(server: RunningServer) -> None:
+    """Until the gauges show the one streaming request and the KV blocks it holds. The monitor sets the gauges one
+    at a time, so a scrape between two of its sets may show the request before its blocks."""
+    wait_for_metrics(
+        server,
+        lambda s: requests_in_engine(s) == 1 and kv_blocks_used(s) > 0,
+        "one request in the engine, holding KV blocks",
+    )
 
 
 def test_cli_streams_text_and_prints_stats(server):
@@ -181,7 +186,7 @@ def test_cancel_mid_stream_frees_kv_blocks(server):
             for n, _ in enumerate(stream, 1):
                 if n == 3:
                     break
-            assert wait_streaming(server) > 0, "the request should hold KV blocks while it streams"
+            wait_streaming(server)
             stream.cancel()
         assert stream.result is None
         wait_idle(server)
