@@ -175,9 +175,10 @@ class PagedAttention(torch.nn.Module):
     def _sequence_so_far(self, chunk: PrefillChunk) -> tuple[torch.Tensor, torch.Tensor]:
         """k and v [context_start + num_tokens, Hkv, D] of a continued chunk's sequence, gathered from the pool."""
         total = chunk.context_start + chunk.num_tokens
-        block_size = self.k_cache.shape[1]
-        blocks = chunk.block_table[: (total + block_size - 1) // block_size].long()
-        return self.k_cache[blocks].flatten(0, 1)[:total], self.v_cache[blocks].flatten(0, 1)[:total]
+        return (
+            paged_decode.gather_context(self.k_cache, chunk.block_table, total),
+            paged_decode.gather_context(self.v_cache, chunk.block_table, total),
+        )
 
 
 def _prefill_run(

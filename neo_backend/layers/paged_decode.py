@@ -39,12 +39,18 @@ def decode_attention(
     return out
 
 
+def gather_context(cache: torch.Tensor, block_tables: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """The first `num_tokens` slots of each table's blocks: cache [num_blocks, block_size, Hkv, D], block_tables
+    [..., max_blocks] -> [..., num_tokens, Hkv, D]."""
+    block_size = cache.shape[1]
+    blocks = block_tables[..., : -(-num_tokens // block_size)].long()
+    return cache[blocks].flatten(-4, -3)[..., :num_tokens, :, :]
+
+
 def decode_attention_reference(q, k_cache, v_cache, block_tables, context_lens, scale) -> torch.Tensor:
-    block_size = k_cache.shape[1]
     max_len = int(context_lens.max())
-    tables = block_tables[:, : (max_len + block_size - 1) // block_size].long()
-    k = k_cache[tables].flatten(1, 2)[:, :max_len]
-    v = v_cache[tables].flatten(1, 2)[:, :max_len]
+    k = gather_context(k_cache, block_tables, max_len)
+    v = gather_context(v_cache, block_tables, max_len)
     mask = torch.arange(max_len, device=q.device)[None, :] < context_lens[:, None].to(q.device)
     k = k.masked_fill(~mask[:, :, None, None], 0)  # slots past a context may hold anything, NaN included
     v = v.masked_fill(~mask[:, :, None, None], 0)
