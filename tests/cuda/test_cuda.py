@@ -18,10 +18,10 @@ from neo_backend.cpu.handoff import Flags
 from neo_backend.executor import stream_flags
 from neo_backend.executor.host_pool import HostKVCache
 from neo_backend.executor.swapper import BlockSwapper
-from neo_backend.layers import fused
+from neo_backend.layers import fused, skinny_gemm
 from neo_backend.layers.activation import silu_and_mul_reference
 from neo_backend.layers.attention import AttentionMetadata, PagedAttention, PrefillChunk, split_qkv
-from neo_backend.layers.blas import LIBRARIES
+from neo_backend.layers.blas import Gemm
 from neo_backend.layers.norm import add_rms_norm_reference
 from neo_backend.layers.paged_decode import decode_attention, decode_attention_reference
 from neo_backend.layers.rotary import RotaryEmbedding, rotate_reference
@@ -137,6 +137,26 @@ def test_fused_layers_match_reference(dtype):
     assert not flat_k[untouched].any() and not flat_v[untouched].any()
     gate_up = torch.randn(33, 2 * 14336, device="cuda", generator=gen).to(dtype)
     torch.testing.assert_close(fused.silu_and_mul(gate_up), silu_and_mul_reference(gate_up))
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_skinny_gemm_matches_cublas(rows):
+    """Every tiling the GEMM libraries may time, with and without K splits, at the 8B shapes cuBLAS tiles worst;
+    a bias is added after the kernel."""
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    for in_features, out_features in ((4096, 6144), (14336, 4096)):
+        x = torch.randn(rows, in_features, device="cuda", generator=gen).to(torch.bfloat16)
+        weight = (0.02 * torch.randn(out_features, in_features, device="cuda", generator=gen)).to(torch.bfloat16)
+        expected = torch.nn.functional.linear(x.float(), weight.float())
+        unsplit_and_split = [skinny_gemm.Tiling(64, 128, 1, 4), skinny_gemm.Tiling(64, 128, 8, 4)]
+        tilings = skinny_gemm.tilings(rows, in_features, out_features, 132) + unsplit_and_split
+        for tiling in tilings:
+            ours = skinny_gemm.linear(x, weight, tiling)
+            assert ours.dtype == torch.bfloat16 and ours.shape == (rows, out_features)
+            torch.testing.assert_close(ours.float(), expected, rtol=2e-2, atol=2e-2)
+        bias = torch.randn(out_features, device="cuda", generator=gen).to(torch.bfloat16)
+        with_bias = Gemm("triton", tilings[0]).linear(x, weight, bias)
+        torch.testing.assert_close(with_bias.float(), expected + bias.float(), rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -288,8 +308,8 @@ def test_sm_partition_confines_a_bandwidth_bound_step(tmp_path, tiny_model_dirs)
     assert times[8] >= 4 * times[None], times
 
 
-def test_decode_graph_gemms_run_on_the_library_chosen_per_shape(tiny_model_dirs):
-    """Each decode batch size has a library for every linear shape of the layers; inside `applied` the linears run on
+def test_decode_graph_gemms_run_where_chosen_per_shape(tiny_model_dirs):
+    """Each decode batch size has a GEMM for every linear shape of the layers; inside `applied` the linears run on
     it and compute what cuBLAS computes, and outside it they are back on torch's preferred library."""
     engine = LLMEngine(
         EngineConfig(
@@ -307,9 +327,9 @@ def test_decode_graph_gemms_run_on_the_library_chosen_per_shape(tiny_model_dirs)
     assert len(linears) == 4 * len(model.layers)
     x = torch.randn(64, model.layers[0].down_proj.in_features, device="cuda", dtype=torch.bfloat16)
     with gemms.applied(64):
-        assert all(linear.library in LIBRARIES for linear in linears)
+        assert all(linear.gemm == gemms.chosen[64][linear.in_features, linear.out_features] for linear in linears)
         chosen = model.layers[0].down_proj(x)
-    assert all(linear.library is None for linear in linears)
+    assert all(linear.gemm is None for linear in linears)
     torch.testing.assert_close(chosen, model.layers[0].down_proj(x), rtol=2e-2, atol=2e-2)
 
 
