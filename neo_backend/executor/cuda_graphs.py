@@ -25,6 +25,24 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("neo_backend")
 
+PROGRESS_SECONDS = 10.0
+
+
+class CaptureProgress:
+    """Logs every PROGRESS_SECONDS how many of `total` graphs are captured: a first start compiles Triton kernels
+    and times each GEMM shape as it captures, which can take minutes."""
+
+    def __init__(self, what: str, total: int) -> None:
+        self.what, self.total, self.done = what, total, 0
+        self.start = self.last_log = time.monotonic()
+
+    def captured(self) -> None:
+        self.done += 1
+        now = time.monotonic()
+        if now - self.last_log >= PROGRESS_SECONDS and self.done < self.total:
+            log.info("captured %d of %d %s (%.0fs)", self.done, self.total, self.what, now - self.start)
+            self.last_log = now
+
 
 def batch_buckets(max_batch: int) -> list[int]:
     sizes = [1, 2, 4, 8] + list(range(16, max_batch + 16, 16))
@@ -115,6 +133,7 @@ class DecodeGraphs:
     @torch.inference_mode()
     def _capture(self) -> None:
         start = time.monotonic()
+        progress = CaptureProgress("decode CUDA graphs", len(self.buckets) * len(self.widths))
         pool = None
         for bs in reversed(self.buckets):
             for width in reversed(self.widths):
@@ -126,6 +145,7 @@ class DecodeGraphs:
                 with self.gemms.applied(bs):
                     self.graphs[bs, width], self.outputs[bs, width] = capture(forward, pool)
                 pool = self.graphs[bs, width].pool()
+                progress.captured()
         log.info(
             "captured %d decode CUDA graphs (%d batch sizes up to %d, %d table widths up to %d blocks) in %.1fs; %s",
             len(self.graphs),
@@ -192,13 +212,16 @@ class LaneGraphs:
         self.final = torch.zeros(n, cfg.hidden_size, dtype=dtype, device=device)
         self.host_mask = torch.zeros(n, 1, 1, dtype=torch.bool, device=device)
         self.graphs: dict[tuple[int, bool, int], torch.cuda.CUDAGraph] = {}
+        num_segments = len(model.layers) + 1
+        progress = CaptureProgress("pipeline segment graphs", len(self.buckets) * len(host_variants) * num_segments)
         pool = None
         for bs in reversed(self.buckets):
             with gemms.applied(bs):
                 for with_host in host_variants:
-                    for layer in range(len(model.layers) + 1):
+                    for layer in range(num_segments):
                         graph, _ = capture(lambda: self._segment(layer, bs, with_host), pool)
                         self.graphs[bs, with_host, layer], pool = graph, graph.pool()
+                        progress.captured()
 
     @torch.inference_mode()
     def _segment(self, layer_idx: int, bs: int, with_host: bool) -> None:
