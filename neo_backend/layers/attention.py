@@ -2,8 +2,9 @@
 
 One step's tokens are laid out as [prefill chunks | device decodes | host decodes]. Each token's k/v is
 written into the paged pool at its slot; prefill chunks attend causally to their sequence's cached prefix
-plus themselves (on CUDA through variable-length flash attention: chunks that start their sequence side by side
-in one call, a chunk that continues a cached prompt in one of its own); device decodes use the paged decode
+plus themselves (on CUDA through variable-length flash attention, FlashInfer's on Hopper where it is installed:
+chunks that start their sequence side by side in one call, a chunk that continues a cached prompt in one of its
+own); device decodes use the paged decode
 kernel (fused Triton kernel on CUDA, a gather + SDPA reference elsewhere). Host decodes (NEO's CPU-requests)
 ride at the end of a sub-batch; their rows of the output are left for the pipeline (pipeline.py) to fill from
 the CPU kernel.
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .. import staging
-from . import fused, paged_decode
+from . import flashinfer_prefill, fused, paged_decode
 from .rotary import RotaryEmbedding
 
 
@@ -150,9 +151,9 @@ class PagedAttention(torch.nn.Module):
         device rows (prefills, GPU decodes); host rows of the result are left unset."""
         num_dev = meta.num_device_tokens
         out = torch.empty_like(q)
-        for run in meta.prefill_runs:
+        for index, run in enumerate(meta.prefill_runs):
             keys, values = self._sequence_so_far(run.continued) if run.continued else (k[run.span], v[run.span])
-            _prefill_run(q[run.span], keys, values, run, self.scale, out=out[run.span])
+            _prefill_run(q[run.span], keys, values, run, index, self.scale, out=out[run.span])
         if meta.num_decodes:
             span = slice(meta.num_prefill_tokens, num_dev)
             paged_decode.decode_attention(
@@ -182,14 +183,19 @@ class PagedAttention(torch.nn.Module):
 
 
 def _prefill_run(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, run: PrefillRun, scale: float, out: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, run: PrefillRun, index: int, scale: float, out: torch.Tensor
 ) -> None:
-    """Each chunk of a run attending causally to its keys into `out`: q and out [T, Hq, D], k/v [keys, Hkv, D]; a
-    chunk's last query row sees all its keys (causal from the bottom right). On CUDA in fp16/bf16 one flash
-    attention call over the packed rows (grouped K/V heads as they are); elsewhere an SDPA call per chunk. Against
-    a call per chunk, 8 x 1000 tokens prefill 1.06x and 64 x 100 1.7x faster on the H200, and 3 x 7000 (two chunks
+    """Each chunk of the step's `index`-th run attending causally to its keys into `out`: q and out [T, Hq, D], k/v
+    [keys, Hkv, D]; a chunk's last query row sees all its keys (causal from the bottom right). On CUDA in fp16/bf16
+    one call over the packed rows (grouped K/V heads as they are): FlashInfer's where it runs
+    (`flashinfer_prefill`), else torch's flash attention; elsewhere an SDPA call per chunk. Against a call per
+    chunk, 8 x 1000 tokens prefill 1.06x and 64 x 100 1.7x faster on the H200, and 3 x 7000 (two chunks
     continuing) 1.37x on an H100 (bench/RESULTS.md)."""
     if _flash_supported(q):
+        prefill = flashinfer_prefill.for_shape(q, k)
+        if prefill is not None:
+            out.copy_(prefill.attend(index, run, run.lengths, run.key_lengths, q, k, v, scale))
+            return
         result, *_ = torch.ops.aten._flash_attention_forward(
             q,
             k,

@@ -18,7 +18,7 @@ from neo_backend.cpu.handoff import Flags
 from neo_backend.executor import stream_flags
 from neo_backend.executor.host_pool import HostKVCache
 from neo_backend.executor.swapper import BlockSwapper
-from neo_backend.layers import fused, skinny_gemm
+from neo_backend.layers import flashinfer_prefill, fused, skinny_gemm
 from neo_backend.layers.activation import silu_and_mul_reference
 from neo_backend.layers.attention import AttentionMetadata, PagedAttention, PrefillChunk, split_qkv
 from neo_backend.layers.blas import Gemm
@@ -107,6 +107,17 @@ def test_prefill_chunks_attend_like_the_reference(dtype, heads, kv_heads, head_d
         ours = out[chunk.token_start : chunk.token_start + chunk.num_tokens]
         assert torch.isfinite(ours).all()
         assert ((ours - ref).norm() / ref.norm()).item() < 1e-2
+
+
+def test_prefill_runs_flashinfer_on_hopper_where_installed():
+    """With `flashinfer-python` installed on a Hopper GPU, prefill attention builds and runs FlashInfer's kernels
+    (the test above checks what they compute); elsewhere it keeps torch's flash attention."""
+    flashinfer = pytest.importorskip("flashinfer")
+    q = torch.zeros(4, 32, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.zeros(4, 8, 128, device="cuda", dtype=torch.bfloat16)
+    hopper = torch.cuda.get_device_capability()[0] == 9
+    prefill = flashinfer_prefill.for_shape(q, k)
+    assert (prefill is not None) == hopper, f"FlashInfer {flashinfer.__version__} on a Hopper GPU: {hopper}"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
