@@ -4,10 +4,9 @@ One step's tokens are laid out as [prefill chunks | device decodes | host decode
 written into the paged pool at its slot; prefill chunks attend causally to their sequence's cached prefix
 plus themselves (on CUDA through variable-length flash attention, FlashInfer's on Hopper where it is installed:
 chunks that start their sequence side by side in one call, a chunk that continues a cached prompt in one of its
-own); device decodes use the paged decode
-kernel (fused Triton kernel on CUDA, a gather + SDPA reference elsewhere). Host decodes (NEO's CPU-requests)
-ride at the end of a sub-batch; their rows of the output are left for the pipeline (pipeline.py) to fill from
-the CPU kernel.
+own); device decodes use the paged decode kernel (fused Triton kernel on CUDA, a gather + SDPA reference
+elsewhere). Host decodes (NEO's CPU-requests) ride at the end of a sub-batch; their rows of the output are left
+for the pipeline (pipeline.py) to fill from the CPU kernel.
 """
 
 from __future__ import annotations
