@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import flashinfer  # noqa: E402
 import torch  # noqa: E402
 
+from neo_backend.executor.cuda_graphs import capture  # noqa: E402
 from neo_backend.layers import paged_decode  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
@@ -35,16 +36,8 @@ LAYERS, POOL_BLOCKS = 4, 16384
 
 
 def graph_us(fn, reps: int) -> float:
-    """Median µs of one replay of `fn` captured in a CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-        fn()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            fn()
+    """Median µs of one replay of `fn` captured in a CUDA graph (as the engine captures), timed by CUDA events."""
+    graph, _ = capture(fn, None)
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):

@@ -11,9 +11,13 @@ Hopper or its kernels do not build, prefill keeps torch's call, and the log says
 from __future__ import annotations
 
 import logging
-from typing import Any
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from .attention import PrefillRun
 
 log = logging.getLogger("neo_backend")
 
@@ -31,18 +35,10 @@ class RaggedPrefill:
         self.planned: list[object | None] = []  # the run each wrapper is planned for
 
     def attend(
-        self,
-        index: int,
-        run: object,
-        lengths: list[int],
-        key_lengths: list[int],
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        scale: float,
+        self, index: int, run: PrefillRun, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     ) -> torch.Tensor:
-        """The step's `index`-th prefill run (`run`, whose chunks have `lengths` query rows and `key_lengths` key
-        rows): q [T, Hq, D], k/v [keys, Hkv, D] -> [T, Hq, D], each chunk causal from the bottom right."""
+        """The step's `index`-th prefill run: q [T, Hq, D], k/v [keys, Hkv, D] -> [T, Hq, D], each of its chunks
+        (`run.lengths` query rows, `run.key_lengths` key rows) causal from the bottom right."""
         while len(self.wrappers) <= index:
             wrapper = self.flashinfer.BatchPrefillWithRaggedKVCacheWrapper(self.workspace, "NHD", backend="fa3")
             self.wrappers.append(wrapper)
@@ -50,8 +46,8 @@ class RaggedPrefill:
         wrapper = self.wrappers[index]
         if self.planned[index] is not run:
             wrapper.plan(
-                _offsets(lengths),  # host tensors: a device one would make the plan wait for the device
-                _offsets(key_lengths),
+                _offsets(run.lengths),  # host tensors: a device one would make the plan wait for the device
+                _offsets(run.key_lengths),
                 q.shape[1],
                 k.shape[1],
                 q.shape[2],
@@ -96,7 +92,7 @@ def _load(q: torch.Tensor, k: torch.Tensor) -> RaggedPrefill | None:
     rows = 16
     try:
         probe = (torch.zeros(rows, *t.shape[1:], dtype=t.dtype, device=t.device) for t in (q, k, k))
-        prefill.attend(0, object(), [rows], [rows], *probe, scale=1.0)
+        prefill.attend(0, SimpleNamespace(lengths=[rows], key_lengths=[rows]), *probe, scale=1.0)
         torch.cuda.synchronize(q.device)
     except Exception as error:  # a missing nvcc, an unsupported head size: any failure keeps torch's kernels
         log.warning("prefill attention: torch flash attention (FlashInfer's kernels did not build: %s)", error)
