@@ -344,17 +344,18 @@ class ModelRunner:
         """Flatten one (sub-)batch into tensors: tokens laid out as [prefill chunks | GPU decodes | CPU decodes]."""
         bs = self.block_size
         ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
+        pos: list[torch.Tensor] = []  # host int64, a tensor per prefill chunk, then the decodes'
+        slots: list[torch.Tensor] = []
         chunks: list[PrefillChunk] = []
         sample_rows: list[int] = []
         sample_seqs: list[Sequence] = []
         for seq, n in prefills:
             start = seq.num_computed_tokens
-            chunks.append(PrefillChunk(len(ids), n, start, self._tensor(seq.block_table, torch.int32)))
+            table = torch.tensor(seq.block_table, dtype=torch.int32)
+            chunks.append(PrefillChunk(len(ids), n, start, to_device(table, self.device)))
             ids.extend(seq.token_ids[start : start + n])
-            pos.extend(range(start, start + n))
-            slots.extend(_slot(seq, p, bs) for p in range(start, start + n))
+            pos.append(torch.arange(start, start + n))
+            slots.append(table[pos[-1] // bs].long() * bs + pos[-1] % bs)
             if start + n == len(seq.token_ids):
                 sample_rows.append(len(ids) - 1)
                 sample_seqs.append(seq)
@@ -367,12 +368,12 @@ class ModelRunner:
                 pending.append((len(ids), previous.row_of[seq.request_id]))
                 token = 0
             ids.append(token)
-            pos.append(len(seq.token_ids) - 1)
-        slots.extend(_slot(seq, len(seq.token_ids) - 1, bs) for seq in gpu_decodes)
+        pos.append(torch.tensor([len(seq.token_ids) - 1 for seq in decodes], dtype=torch.long))
+        slots.append(torch.tensor([_slot(seq, len(seq.token_ids) - 1, bs) for seq in gpu_decodes], dtype=torch.long))
         sample_rows.extend(range(num_prefill, num_prefill + len(decodes)))
         sample_seqs.extend(decodes)
         meta = AttentionMetadata(
-            slot_mapping=self._tensor(slots, torch.long),
+            slot_mapping=to_device(_joined(slots), self.device),
             prefills=chunks,
             num_prefill_tokens=num_prefill,
             decode_block_tables=self._block_tables(gpu_decodes, self.device),
@@ -389,7 +390,7 @@ class ModelRunner:
         if pending:
             rows, sources = self._tensor(list(zip(*pending)), torch.long)
             input_ids.index_copy_(0, rows, previous.token_ids.index_select(0, sources))
-        sub = SubBatch(input_ids, self._tensor(pos, torch.long), meta, host_batch)
+        sub = SubBatch(input_ids, to_device(_joined(pos), self.device), meta, host_batch)
         return PreparedStep(sub, self._tensor(sample_rows, torch.long), sample_seqs)
 
     @staticmethod
@@ -406,6 +407,10 @@ class ModelRunner:
 
     def _tensor(self, values, dtype: torch.dtype) -> torch.Tensor:
         return tensor_on(values, dtype, self.device)
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _slot(seq: Sequence, position: int, block_size: int) -> int:
