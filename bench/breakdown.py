@@ -21,7 +21,6 @@ import logging
 import random
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -37,6 +36,7 @@ from common import (  # noqa: E402
     full_batch_decode_steps,
     matmul_flops,
     placed_sequence,
+    prefill_step_seconds,
 )
 
 from neo_backend import EngineConfig, LLMEngine  # noqa: E402
@@ -201,20 +201,6 @@ def prefill(engine: LLMEngine, peak: float, num_seqs: int = 8, tokens: int = 100
         "step_ms": step_s * 1e3,
         "fraction_of_matmul_peak": model_flops / step_s / peak,
     }
-
-
-def prefill_step_seconds(engine: LLMEngine, num_seqs: int, tokens: int, seed: int) -> float:
-    """One step that prefills `num_seqs` prompts of `tokens` (the first such step of a process also grows the
-    allocator's pool: the faster of two is the step's own time)."""
-    rng = random.Random(seed)
-    vocab = min(engine.model_config.vocab_size, len(engine.tokenizer))
-    for _ in range(num_seqs):
-        engine.add_request([rng.randrange(vocab) for _ in range(tokens)], {"max_tokens": 1, "ignore_eos": True})
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    while engine.has_unfinished_requests():
-        engine.step()
-    return time.perf_counter() - start
 
 
 def _gemm_flops(linear: torch.nn.Linear, m: int) -> float:

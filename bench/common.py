@@ -85,3 +85,17 @@ def decode_floor_seconds(engine: LLMEngine, batch: int, context: int, bandwidth:
     weights = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
     kv_per_token = engine.runner.block_bytes // engine.config.block_size
     return (weights + batch * context * kv_per_token) / bandwidth
+
+
+def prefill_step_seconds(engine: LLMEngine, num_seqs: int, tokens: int, seed: int) -> float:
+    """Seconds of the step that prefills `num_seqs` prompts of `tokens` and samples their first tokens (a process's
+    first such step also grows the allocator's pool)."""
+    rng = random.Random(seed)
+    vocab = min(engine.model_config.vocab_size, len(engine.tokenizer))
+    for _ in range(num_seqs):
+        engine.add_request([rng.randrange(vocab) for _ in range(tokens)], {"max_tokens": 1, "ignore_eos": True})
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    return time.perf_counter() - start

@@ -7,7 +7,8 @@ The trace: all requests arrive at once with random prompt token ids; each genera
 tokens (ignore_eos). Prefill tokens/s counts steps that carry prefill work, decode tokens/s decode-only steps.
 With --roofline: the decode step carrying every request of a batch (batch 64 at context 1024, 8 at 1024, 256
 at 512) over its floor (weight bytes + KV bytes read) / measured device copy bandwidth, and the prefill of
-8 x 1000 tokens (after one untimed such step) as a fraction of the measured bf16 matmul rate in model FLOPs.
+8 x 1000 tokens (the median of five such steps, after an untimed one) as a fraction of the measured bf16 matmul
+rate in model FLOPs.
 Under --tensor-parallel-size N both are rank 0's: its shard of the weights and KV heads on its own GPU.
 The ceilings are measured on the engine's own stream, so with --gpu-sm-count N they are the partition's; a
 decode step faster than the floor at that bandwidth means work escaped the partition, and the script exits
@@ -100,7 +101,7 @@ def roofline(engine: LLMEngine) -> dict:
         )
 
     run_trace(engine, 8, 1000, 1, seed=3)  # a process's first step of 8000 tokens grows the allocator's pool
-    prefill = run_trace(engine, 8, 1000, 1, seed=2)
+    prefill_s = statistics.median(run_trace(engine, 8, 1000, 1, seed=seed)["prefill_time_s"] for seed in range(5))
     linear_params = sum(p.numel() for n, p in engine.runner.model.named_parameters() if n.endswith("proj.weight"))
     tokens = 8 * 1000
     num_heads = engine.runner.model.layers[0].num_heads  # this rank's, as the weights are its shard
@@ -114,8 +115,8 @@ def roofline(engine: LLMEngine) -> dict:
         "decode_step_over_floor": points[0]["step_over_floor"],
         "decode_tokens_per_s": points[0]["tokens_per_s"],
         "decode_points": points,
-        "prefill_s": prefill["prefill_time_s"],
-        "prefill_fraction_of_matmul_peak": prefill_flops / prefill["prefill_time_s"] / peak,
+        "prefill_s": prefill_s,
+        "prefill_fraction_of_matmul_peak": prefill_flops / prefill_s / peak,
     }
 
 

@@ -7,32 +7,40 @@ extra: `pip install '.[flashinfer]'`).
 - prefill: torch's flash attention variable-length call (the engine's without FlashInfer) against FlashInfer's
   ragged prefill (its own choice of backend: FlashAttention-3 on Hopper), causal over packed prompts; one call in
   a CUDA graph, µs a layer.
+- engine: the engine's step that prefills 8 x 1000-token prompts (Llama-3-8B shape, dummy weights), FlashInfer's
+  prefill and torch's call alternating step by step in one process, the median of each.
 
 Llama-3-8B's attention shape (32 query heads, 8 K/V heads, head size 128), bf16.
 
-    python3 bench/flashinfer_ab.py [--json bench/results/<gpu>_flashinfer_ab.json]
+    python3 bench/flashinfer_ab.py --tokenizer DIR [--json bench/results/<gpu>_flashinfer_ab.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
+import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import flashinfer  # noqa: E402
 import torch  # noqa: E402
+from common import LLAMA3_8B, prefill_step_seconds  # noqa: E402
 
+from neo_backend import EngineConfig, LLMEngine  # noqa: E402
 from neo_backend.executor.cuda_graphs import capture  # noqa: E402
-from neo_backend.layers import paged_decode  # noqa: E402
+from neo_backend.layers import flashinfer_prefill, paged_decode  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 SCALE = HEAD_DIM**-0.5
 DECODE_POINTS = [(64, 1024), (64, 1030), (8, 1024), (256, 512), (16, 3000), (1, 1024)]  # (batch, context)
 PREFILL_PROMPTS = [[1000] * 8, [1000], [3000] * 2, [100] * 64, [7000] * 3]
 LAYERS, POOL_BLOCKS = 4, 16384
+ENGINE_STEPS = 6  # each way
 
 
 def graph_us(fn, reps: int) -> float:
@@ -151,10 +159,31 @@ def prefill_point(workspace: torch.Tensor, lengths: list[int]) -> dict:
     }
 
 
+def engine_prefill(args: argparse.Namespace) -> dict:
+    """Median seconds of the engine's 8 x 1000-token prefill step through FlashInfer and through torch's call,
+    alternating (the torch steps find no FlashInfer: `for_shape` answers None)."""
+    args.model, args.load_format, args.offload_policy = LLAMA3_8B, "dummy", "never"
+    args.max_num_batched_tokens = 8192
+    engine = LLMEngine(EngineConfig.from_cli_args(args))
+    with_flashinfer = flashinfer_prefill.for_shape
+    seconds: dict[str, list[float]] = {"flashinfer": [], "torch": []}
+    with engine.runner.device_scope(), torch.inference_mode():
+        prefill_step_seconds(engine, 8, 1000, seed=0)
+        for step in range(2 * ENGINE_STEPS):
+            way = "torch" if step % 2 else "flashinfer"
+            flashinfer_prefill.for_shape = with_flashinfer if way == "flashinfer" else lambda q, k: None
+            seconds[way].append(prefill_step_seconds(engine, 8, 1000, seed=step + 1))
+    flashinfer_prefill.for_shape = with_flashinfer
+    flashinfer_ms, torch_ms = (statistics.median(seconds[way]) * 1e3 for way in ("flashinfer", "torch"))
+    return {"flashinfer_ms": flashinfer_ms, "torch_ms": torch_ms, "flashinfer_over_torch": flashinfer_ms / torch_ms}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="write the figures here")
+    EngineConfig.add_cli_args(parser)
     args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.manual_seed(0)
     device = torch.device("cuda")
     result = {
@@ -191,6 +220,13 @@ def main() -> None:
             f"FlashInfer {point['flashinfer_us']:.1f} µs, FlashInfer/torch {point['flashinfer_over_torch']:.3f}",
             flush=True,
         )
+    del workspace
+    result["engine_prefill_8x1000"] = point = engine_prefill(args)
+    print(
+        f"engine prefill step 8 x 1000: torch flash {point['torch_ms']:.1f} ms, "
+        f"FlashInfer {point['flashinfer_ms']:.1f} ms, FlashInfer/torch {point['flashinfer_over_torch']:.3f}",
+        flush=True,
+    )
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
 

@@ -193,7 +193,7 @@ def _prefill_run(
     if _flash_supported(q):
         prefill = flashinfer_prefill.for_shape(q, k)
         if prefill is not None:
-            out.copy_(prefill.attend(index, run, q, k, v, scale))
+            prefill.attend(index, run, q, k, v, scale, out=out)
             return
         result, *_ = torch.ops.aten._flash_attention_forward(
             q,

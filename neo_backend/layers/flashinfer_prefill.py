@@ -35,10 +35,17 @@ class RaggedPrefill:
         self.planned: list[object | None] = []  # the run each wrapper is planned for
 
     def attend(
-        self, index: int, run: PrefillRun, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
-    ) -> torch.Tensor:
-        """The step's `index`-th prefill run: q [T, Hq, D], k/v [keys, Hkv, D] -> [T, Hq, D], each of its chunks
-        (`run.lengths` query rows, `run.key_lengths` key rows) causal from the bottom right."""
+        self,
+        index: int,
+        run: PrefillRun,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
+        """The step's `index`-th prefill run: q [T, Hq, D], k/v [keys, Hkv, D] into out [T, Hq, D], each of its
+        chunks (`run.lengths` query rows, `run.key_lengths` key rows) causal from the bottom right."""
         while len(self.wrappers) <= index:
             wrapper = self.flashinfer.BatchPrefillWithRaggedKVCacheWrapper(self.workspace, "NHD", backend="fa3")
             self.wrappers.append(wrapper)
@@ -46,7 +53,7 @@ class RaggedPrefill:
         wrapper = self.wrappers[index]
         if self.planned[index] is not run:
             wrapper.plan(
-                _offsets(run.lengths),  # host tensors: a device one would make the plan wait for the device
+                _offsets(run.lengths),
                 _offsets(run.key_lengths),
                 q.shape[1],
                 k.shape[1],
@@ -57,12 +64,14 @@ class RaggedPrefill:
                 kv_data_type=k.dtype,
             )
             self.planned[index] = run
-        return wrapper.run(q, k, v)
+        wrapper.run(q, k, v, out=out)
 
 
 def _offsets(lengths: list[int]) -> torch.Tensor:
-    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-    offsets[1:] = torch.tensor(lengths, dtype=torch.int32).cumsum(0)
+    """Host offsets in pinned memory: `plan` reads them on the host and copies them to the device, and a copy from
+    pageable memory would wait for the device to drain the step's queue."""
+    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int32, pin_memory=True)
+    torch.cumsum(torch.tensor(lengths, dtype=torch.int32), 0, out=offsets[1:])
     return offsets
 
 
@@ -91,8 +100,9 @@ def _load(q: torch.Tensor, k: torch.Tensor) -> RaggedPrefill | None:
     prefill = RaggedPrefill(flashinfer, q.device)
     rows = 16
     try:
-        probe = (torch.zeros(rows, *t.shape[1:], dtype=t.dtype, device=t.device) for t in (q, k, k))
-        prefill.attend(0, SimpleNamespace(lengths=[rows], key_lengths=[rows]), *probe, scale=1.0)
+        q_probe, k_probe, v_probe = (torch.zeros(rows, *t.shape[1:], dtype=t.dtype, device=t.device) for t in (q, k, k))
+        run = SimpleNamespace(lengths=[rows], key_lengths=[rows])
+        prefill.attend(0, run, q_probe, k_probe, v_probe, scale=1.0, out=torch.empty_like(q_probe))
         torch.cuda.synchronize(q.device)
     except Exception as error:  # a missing nvcc, an unsupported head size: any failure keeps torch's kernels
         log.warning("prefill attention: torch flash attention (FlashInfer's kernels did not build: %s)", error)
