@@ -15,9 +15,7 @@ tokens, its GEMMs, attention and the rest, against the step's time.
 
 from __future__ import annotations
 
-import argparse
 import json
-import logging
 import random
 import statistics
 import sys
@@ -30,10 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from common import (  # noqa: E402
     DECODE_POINTS,
-    LLAMA3_8B,
     decode_floor_seconds,
     device_copy_bandwidth,
     full_batch_decode_steps,
+    llama3_8b_args,
     matmul_flops,
     placed_sequence,
     prefill_step_seconds,
@@ -219,12 +217,7 @@ def print_table(title: str, rows: list[dict]) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", type=Path, help="also write the results here")
-    EngineConfig.add_cli_args(parser)
-    args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    args.model, args.load_format = args.model or LLAMA3_8B, args.load_format or "dummy"
+    args = llama3_8b_args(__doc__)
     args.offload_policy, args.max_num_seqs = "never", max(args.max_num_seqs or 0, 256)
     args.max_num_batched_tokens = args.max_num_batched_tokens or 8192
     engine = LLMEngine(EngineConfig.from_cli_args(args))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import logging
 import random
 import time
 from collections.abc import Iterator
@@ -9,12 +11,24 @@ from pathlib import Path
 
 import torch
 
-from neo_backend import LLMEngine, SamplingParams
+from neo_backend import EngineConfig, LLMEngine, SamplingParams
 from neo_backend.core.sequence import Placement, Sequence
 from neo_backend.timing import median_seconds
 
 LLAMA3_8B = str(Path(__file__).parent / "configs" / "llama3-8b")
 DECODE_POINTS = ((64, 1024), (8, 1024), (256, 512))  # (batch, context) of the decode step against its floor
+
+
+def llama3_8b_args(doc: str, log_level: int = logging.INFO) -> argparse.Namespace:
+    """A bench's command line: `--json` and the engine's flags, the model the Llama-3-8B shape with dummy weights
+    unless `--model` names another; the log set up at `log_level`."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    EngineConfig.add_cli_args(parser)
+    args = parser.parse_args()
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args.model, args.load_format = args.model or LLAMA3_8B, args.load_format or "dummy"
+    return args
 
 
 def device_copy_bandwidth(device: torch.device) -> float:

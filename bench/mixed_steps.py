@@ -13,9 +13,7 @@ a step that also prefills runs the model eagerly, a launch per kernel. Two parts
 
 from __future__ import annotations
 
-import argparse
 import json
-import logging
 import random
 import statistics
 import sys
@@ -26,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from common import LLAMA3_8B, placed_sequence  # noqa: E402
+from common import llama3_8b_args, placed_sequence  # noqa: E402
 
 from neo_backend import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from neo_backend.core.sequence import Placement, Sequence  # noqa: E402
@@ -123,12 +121,7 @@ def in_engine(engine: LLMEngine, batch: int) -> list[dict]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", type=Path, help="also write the results here")
-    EngineConfig.add_cli_args(parser)
-    args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    args.model, args.load_format = args.model or LLAMA3_8B, args.load_format or "dummy"
+    args = llama3_8b_args(__doc__)
     args.offload_policy, args.max_num_seqs = "never", max(args.max_num_seqs or 0, max(DECODE_BATCHES) + 1)
     engine = LLMEngine(EngineConfig.from_cli_args(args))
     if engine.runner.device.type != "cuda":

@@ -15,7 +15,6 @@ Llama-3-8B shape, dummy bf16 weights, `never`, on CUDA. Three parts:
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import random
@@ -29,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from common import LLAMA3_8B  # noqa: E402
+from common import llama3_8b_args  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 from neo_backend import EngineConfig, LLMEngine  # noqa: E402
@@ -100,15 +99,10 @@ def varlen_against_per_chunk(engine: LLMEngine, rounds: int = 3) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", type=Path, help="also write the results here")
-    EngineConfig.add_cli_args(parser)
-    args = parser.parse_args()
+    args = llama3_8b_args(__doc__, logging.WARNING)
     if not torch.cuda.is_available():
         print("bench/prefill_lengths.py needs a CUDA device")
         return 2
-    logging.basicConfig(level=logging.WARNING)
-    args.model, args.load_format = args.model or LLAMA3_8B, args.load_format or "dummy"
     args.offload_policy, args.max_num_batched_tokens = "never", args.max_num_batched_tokens or 8192
     sdpa = {
         "flash": sdpa_first_calls(SDPBackend.FLASH_ATTENTION, NEW_LENGTHS),
