@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator, Mapping
@@ -120,4 +121,7 @@ def triton_server(
                 server.wait_ready(ready_timeout)
             yield server
         finally:
+            if not server.is_ready():  # its log goes with its temporary directory: keep the tail where it is seen
+                state = "alive" if server.process.poll() is None else f"exited with {server.process.returncode}"
+                sys.stderr.write(f"tritonserver not ready at its stop ({state}); log tail:\n{server.log_tail()}\n")
             server.stop()
