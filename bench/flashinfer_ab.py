@@ -7,8 +7,9 @@ extra: `pip install '.[flashinfer]'`).
 - prefill: torch's flash attention variable-length call (the engine's without FlashInfer) against FlashInfer's
   ragged prefill (its own choice of backend: FlashAttention-3 on Hopper), causal over packed prompts; one call in
   a CUDA graph, µs a layer.
-- engine: the engine's step that prefills 8 x 1000-token prompts (Llama-3-8B shape, dummy weights), FlashInfer's
-  prefill and torch's call alternating step by step in one process, the median of each.
+- engine: the engine's step that prefills 8 x 1000-token prompts (Llama-3-8B shape, dummy weights, unless
+  --model names another), FlashInfer's prefill and torch's call alternating step by step in one process, the
+  median of each.
 
 Llama-3-8B's attention shape (32 query heads, 8 K/V heads, head size 128), bf16.
 
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import statistics
 import sys
 from pathlib import Path
@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import flashinfer  # noqa: E402
 import torch  # noqa: E402
-from common import LLAMA3_8B, prefill_step_seconds  # noqa: E402
+from common import llama3_8b_args, prefill_step_seconds  # noqa: E402
 
 from neo_backend import EngineConfig, LLMEngine  # noqa: E402
 from neo_backend.executor.cuda_graphs import capture  # noqa: E402
@@ -162,8 +162,7 @@ def prefill_point(workspace: torch.Tensor, lengths: list[int]) -> dict:
 def engine_prefill(args: argparse.Namespace) -> dict:
     """Median seconds of the engine's 8 x 1000-token prefill step through FlashInfer and through torch's call,
     alternating (the torch steps find no FlashInfer: `for_shape` answers None)."""
-    args.model, args.load_format, args.offload_policy = LLAMA3_8B, "dummy", "never"
-    args.max_num_batched_tokens = 8192
+    args.offload_policy, args.max_num_batched_tokens = "never", 8192
     engine = LLMEngine(EngineConfig.from_cli_args(args))
     with_flashinfer = flashinfer_prefill.for_shape
     seconds: dict[str, list[float]] = {"flashinfer": [], "torch": []}
@@ -179,11 +178,7 @@ def engine_prefill(args: argparse.Namespace) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", type=Path, help="write the figures here")
-    EngineConfig.add_cli_args(parser)
-    args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = llama3_8b_args(__doc__)
     torch.manual_seed(0)
     device = torch.device("cuda")
     result = {
