@@ -121,7 +121,8 @@ def triton_server(
                 server.wait_ready(ready_timeout)
             yield server
         finally:
-            if not server.is_ready():  # its log goes with its temporary directory: keep the tail where it is seen
+            startup_reported = isinstance(sys.exc_info()[1], ServerStartError)  # its message carries the tail
+            if not startup_reported and not server.is_ready():  # the log goes with its temporary directory
                 state = "alive" if server.process.poll() is None else f"exited with {server.process.returncode}"
                 sys.stderr.write(f"tritonserver not ready at its stop ({state}); log tail:\n{server.log_tail()}\n")
             server.stop()
