@@ -3,10 +3,11 @@
     python bench/mixed_steps.py --tokenizer DIR --json bench/results/<gpu>_mixed_steps.json
 
 Llama-3-8B shape, dummy bf16 weights, `never`, on CUDA. Decode-only steps replay the engine's captured graphs;
-a step that also prefills runs the model eagerly, a launch per kernel. Two parts, for decode batches of 64 and 8
-(context ~1024) beside one new prompt of 16 to 1024 tokens:
+a step that also prefills replays its mixed-step pieces up to `MIXED_MAX_ROWS` rows and launches a kernel at a
+time beyond. Two parts, for decode batches of 64 and 8 (context ~1024) beside one new prompt of 16 to 1024 tokens:
 - the forward alone: eager (launched and waited for), against the same forward captured in one CUDA graph and
-  replayed (the device's own time), and the host's time to launch the eager forward without waiting;
+  replayed (the device's own time), and the host's time to launch the eager forward without waiting; where the
+  step fits the engine's mixed-step graphs (`MixedGraphs`: pieces between eager attentions), those too;
 - the engine: the device time of its mixed steps (from their first kernel to their samples' copy, which counts
   the device waiting for launches) against its decode-only steps beside them.
 """
@@ -60,6 +61,14 @@ def forward_alone(engine: LLMEngine, batch: int, prompt: int) -> dict:
         if name == "mixed":
             result["mixed_eager_ms"] = median_seconds(forward, 10, device=runner.device, warmup=2) * 1e3
             result["mixed_launch_ms"] = launch_seconds(forward, runner.device) * 1e3
+            pieces = runner.mixed_graphs
+            if pieces is not None and pieces.fits(sub.input_ids.numel()):
+
+                def replayed(sub=sub) -> torch.Tensor:
+                    return pieces.run(sub.input_ids, sub.positions, sub.meta)
+
+                result["mixed_pieces_ms"] = median_seconds(replayed, 10, device=runner.device, warmup=2) * 1e3
+                result["mixed_pieces_launch_ms"] = launch_seconds(replayed, runner.device) * 1e3
         graph, _ = capture(forward, None)
         result[f"{name}_graph_ms"] = median_seconds(graph.replay, 10, device=runner.device, warmup=2) * 1e3
         del graph
@@ -133,10 +142,16 @@ def main() -> int:
             for prompt in PROMPTS:
                 row = forward_alone(engine, batch, prompt)
                 result["forward"].append(row)
+                pieces = (
+                    f", as the engine's pieces {row['mixed_pieces_ms']:.2f} ms (launching them "
+                    f"{row['mixed_pieces_launch_ms']:.2f} ms)"
+                    if "mixed_pieces_ms" in row
+                    else ""
+                )
                 print(
                     f"forward, {batch} decodes + {prompt}-token prompt: eager {row['mixed_eager_ms']:.2f} ms "
-                    f"(launching it {row['mixed_launch_ms']:.2f} ms), one graph {row['mixed_graph_ms']:.2f} ms; "
-                    f"the decodes alone, one graph {row['decode_graph_ms']:.2f} ms",
+                    f"(launching it {row['mixed_launch_ms']:.2f} ms), one graph {row['mixed_graph_ms']:.2f} ms"
+                    f"{pieces}; the decodes alone, one graph {row['decode_graph_ms']:.2f} ms",
                     flush=True,
                 )
         for batch in DECODE_BATCHES:

@@ -68,7 +68,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_queue_size: int = field(default=1024, metadata={"help": "waiting requests beyond which new ones are refused"})
-    enforce_eager: bool = field(default=False, metadata={"help": "disable CUDA graphs for decode"})
+    enforce_eager: bool = field(default=False, metadata={"help": "disable CUDA graphs (every step eager)"})
     overlap_steps: str = field(
         default="auto",
         metadata={

@@ -1,12 +1,14 @@
-"""CUDA graphs for decode-only work. Launching ~12 kernels per layer from Python costs more than an 8B model's
-decode step on an H200; a replay costs one launch.
+"""CUDA graphs. Launching ~12 kernels per layer from Python costs more than an 8B model's decode step on an H200;
+a replay costs one launch.
 
 - `DecodeGraphs`: the whole model per batch-size bucket and block-table width, for GPU-only decode steps.
 - `LaneGraphs`: one NEO pipeline lane's layer segments (segments.py) per bucket, so the two sub-batches
   can interleave layer by layer around the CPU attention without paying eager launches.
+- `MixedGraphs`: the dense work between two attentions per bucket of rows, for GPU-only steps that prefill
+  (beside decodes or not); their attention, whose launch shape follows the step's prompts, runs eagerly between.
 
-Both replay with the step's inputs copied into static buffers (`DecodeInputs`). Padded rows, and rows whose
-attention runs on the host, write their k/v to a scratch block that no request owns and attend to it alone.
+All replay with the step's inputs copied into static buffers. Padded rows, and rows whose attention runs on the
+host, write their k/v to a scratch block that no request owns (and, in decode graphs, attend to it alone).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("neo_backend")
 
 PROGRESS_SECONDS = 10.0
+# Steps of more rows than this run eagerly: from ~1000 prompt tokens the device's work outlasts the launches.
+MIXED_MAX_ROWS = 512
 
 
 class CaptureProgress:
@@ -171,6 +175,100 @@ class DecodeGraphs:
         self.inputs.load(input_ids, positions, meta, key[0])
         self.graphs[key].replay()
         return self.outputs[key][:n]
+
+
+def mixed_buckets(max_rows: int) -> list[int]:
+    """Row counts of the mixed-step graphs: powers of two from 16 up to `max_rows`."""
+    sizes, size = [], 16
+    while size < max_rows:
+        sizes.append(size)
+        size *= 2
+    return sizes + [max_rows]
+
+
+class MixedGraphs:
+    """GPU-only steps that prefill, of up to `max_rows` rows ([prefill chunks | decodes], padded to a bucket), as
+    captured pieces: piece L is layer L-1's output half and layer L's input half (its q/k/v stored in the pool),
+    piece `num_layers` the last output half and the final norm. Each layer's attention runs eagerly between two
+    pieces, on the real rows, as it does in an eager step. Eagerly such a step launches ~11 kernels a layer, which
+    takes the host longer than the device's work up to a few hundred prompt tokens (bench/RESULTS.md, "Steps
+    that mix a prompt with decodes"); with the pieces a layer costs a replay and the attention's launches."""
+
+    def __init__(self, model, device: torch.device, max_rows: int, scratch_slot: int, gemms: GemmLibraries) -> None:
+        cfg, dtype = model.rank_config, model.embed_tokens.weight.dtype
+        self.model, self.gemms, self.scratch_slot = model, gemms, scratch_slot
+        self.buckets = mixed_buckets(max_rows)
+        self.input_ids = torch.zeros(max_rows, dtype=torch.long, device=device)
+        self.positions = torch.zeros(max_rows, dtype=torch.long, device=device)
+        self.slots = torch.full((max_rows,), scratch_slot, dtype=torch.long, device=device)
+        qkv_size = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+        self.qkv = torch.zeros(max_rows, qkv_size, dtype=dtype, device=device)
+        self.attn = torch.zeros(max_rows, cfg.num_heads, cfg.head_dim, dtype=dtype, device=device)
+        self.residual = torch.zeros(max_rows, cfg.hidden_size, dtype=dtype, device=device)
+        self.final = torch.zeros(max_rows, cfg.hidden_size, dtype=dtype, device=device)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # by (bucket, piece)
+        self._capture()
+
+    def fits(self, rows: int) -> bool:
+        return 0 < rows <= self.buckets[-1]
+
+    @torch.inference_mode()
+    def _capture(self) -> None:
+        start = time.monotonic()
+        num_pieces = len(self.model.layers) + 1
+        progress = CaptureProgress("mixed-step CUDA graphs", len(self.buckets) * num_pieces)
+        pool = None
+        for rows in reversed(self.buckets):
+            with self.gemms.applied(rows):
+                for piece in range(num_pieces):
+                    graph, _ = capture(lambda: self._piece(piece, rows), pool)
+                    self.graphs[rows, piece], pool = graph, graph.pool()
+                    progress.captured()
+        log.info(
+            "captured %d mixed-step CUDA graphs (%d row counts up to %d) in %.1fs",
+            len(self.graphs),
+            len(self.buckets),
+            self.buckets[-1],
+            time.monotonic() - start,
+        )
+
+    def _piece(self, piece: int, rows: int) -> None:
+        model = self.model
+        if piece == 0:
+            hidden, residual = model.embed_tokens(self.input_ids[:rows]), None
+        else:
+            hidden, residual = model.layers[piece - 1].attention_outputs(self.attn[:rows], self.residual[:rows])
+        if piece == len(model.layers):
+            self.final[:rows].copy_(model.norm(hidden, residual)[0])
+            return
+        store = AttentionMetadata(
+            slot_mapping=self.slots[:rows],
+            prefills=[],
+            num_prefill_tokens=0,
+            decode_block_tables=self.slots.new_zeros(0, 1, dtype=torch.int32),
+            decode_context_lens=self.slots.new_zeros(0, dtype=torch.int32),
+        )
+        qkv, residual = model.layers[piece].attention_inputs(self.positions[:rows], hidden, residual, store)
+        self.qkv[:rows].copy_(qkv)
+        self.residual[:rows].copy_(residual)
+
+    def _replay(self, rows: int, piece: int) -> None:
+        self.graphs[rows, piece].replay()
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states of a GPU-only step's rows, in order: its pieces replayed at the smallest fitting bucket,
+        each layer's attention launched between them."""
+        n = input_ids.numel()
+        rows = bucket_for(self.buckets, n)
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        self.slots[:n].copy_(meta.slot_mapping)
+        self.slots[n:rows].fill_(self.scratch_slot)
+        for piece, layer in enumerate(self.model.layers):
+            self._replay(rows, piece)
+            layer.attn(*layer.split_qkv(self.qkv[:n]), meta, out=self.attn[:n])
+        self._replay(rows, len(self.model.layers))
+        return self.final[:n]
 
 
 def capture(fn, pool) -> tuple[torch.cuda.CUDAGraph, object]:

@@ -22,7 +22,7 @@ from ..layers.sampler import PendingSample, Sampler
 from ..models.loader import ModelSource, load_model
 from ..staging import tensor_on, to_device
 from . import stream_flags
-from .cuda_graphs import DecodeGraphs, DecodeInputs, LaneGraphs
+from .cuda_graphs import MIXED_MAX_ROWS, DecodeGraphs, DecodeInputs, LaneGraphs, MixedGraphs
 from .gemm_libraries import GemmLibraries
 from .gpu_partition import sm_partition
 from .host_attention import HostAttention, HostDecodeBatch
@@ -90,11 +90,15 @@ class ModelRunner:
                 self.device,
             )
             self.decode_graphs: DecodeGraphs | None = None
+            self.mixed_graphs: MixedGraphs | None = None
             self.gemms: GemmLibraries | None = None
             self.max_blocks_per_seq = (max_model_len + self.block_size - 1) // self.block_size
             if self.device.type == "cuda" and not config.enforce_eager:
                 self.gemms = GemmLibraries(self.model)
                 self.decode_graphs = DecodeGraphs(self.model, self._decode_inputs(), self.block_size, self.gemms)
+                max_rows = min(MIXED_MAX_ROWS, config.max_num_batched_tokens)
+                scratch_slot = self.num_gpu_blocks * self.block_size
+                self.mixed_graphs = MixedGraphs(self.model, self.device, max_rows, scratch_slot, self.gemms)
             self._init_offload(config, model_cfg)
 
     def device_scope(self) -> contextlib.AbstractContextManager:
@@ -315,6 +319,8 @@ class ModelRunner:
                 and self.decode_graphs.can_run(len(batch.gpu_decodes))
             ):
                 hidden = self.decode_graphs.run(sub.input_ids, sub.positions, sub.meta)
+            elif self.mixed_graphs is not None and self.mixed_graphs.fits(sub.input_ids.numel()):
+                hidden = self.mixed_graphs.run(sub.input_ids, sub.positions, sub.meta)[step.sample_rows]
             else:
                 hidden = self.model(sub.input_ids, sub.positions, sub.meta)[step.sample_rows]
             sample_seqs = step.sample_seqs

@@ -39,7 +39,7 @@ def load_or_profile(runner) -> PerfModel:
         "cuda_graphs": runner.decode_graphs is not None,
         "gpu_sm_count": runner.config.gpu_sm_count,
         "tensor_parallel_size": runner.tp.size,
-        "version": 8,
+        "version": 9,
     }
     key = hashlib.sha256(json.dumps(key_fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
     path = runner.config.cache_path / "profiles" / f"{key}.json"
@@ -81,9 +81,9 @@ def _dense_forward(runner, tokens: int) -> None:
     device = runner.device
     ids = torch.zeros(tokens, dtype=torch.long, device=device)
     if tokens > runner.config.max_num_seqs:
-        hidden = runner.model(
-            ids, torch.arange(tokens, device=device), prefill_metadata(tokens, runner.block_size, device)
-        )
+        mixed = runner.mixed_graphs
+        forward = mixed.run if mixed is not None and mixed.fits(tokens) else runner.model  # as such steps run
+        hidden = forward(ids, torch.arange(tokens, device=device), prefill_metadata(tokens, runner.block_size, device))
         runner.model.compute_logits(hidden[-1:])
         return
     table = (torch.arange(tokens, device=device, dtype=torch.int32) // runner.block_size).view(tokens, 1)

@@ -145,11 +145,18 @@ class PagedAttention(torch.nn.Module):
         if num_dev:
             self._store(k[:num_dev], v[:num_dev], slot_mapping)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] (rotated, device rows stored: `store_rotated`) -> [T, Hq, D]: the
-        device rows (prefills, GPU decodes); host rows of the result are left unset."""
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] (rotated, device rows stored: `store_rotated`) -> [T, Hq, D], written into
+        `out` where given: the device rows (prefills, GPU decodes); host rows of the result are left unset."""
         num_dev = meta.num_device_tokens
-        out = torch.empty_like(q)
+        out = torch.empty_like(q) if out is None else out
         for index, run in enumerate(meta.prefill_runs):
             keys, values = self._sequence_so_far(run.continued) if run.continued else (k[run.span], v[run.span])
             _prefill_run(q[run.span], keys, values, run, index, self.scale, out=out[run.span])

@@ -16,6 +16,7 @@ from neo_backend import EngineConfig, LLMEngine
 from neo_backend.config import ModelConfig
 from neo_backend.cpu.handoff import Flags
 from neo_backend.executor import stream_flags
+from neo_backend.executor.cuda_graphs import MixedGraphs
 from neo_backend.executor.host_pool import HostKVCache
 from neo_backend.executor.swapper import BlockSwapper
 from neo_backend.layers import flashinfer_prefill, fused, skinny_gemm
@@ -266,6 +267,40 @@ def test_cuda_greedy_unchanged_by_offload(tiny_model_dirs, policy, pipeline, sm_
     assert stats["gpu_blocks_used"] == 0 and stats["cpu_blocks_used"] == 0
 
 
+def test_cuda_greedy_unchanged_by_mixed_step_graphs(tiny_model_dirs, monkeypatch):
+    """Staggered requests, so that prompts prefill beside decodes, new and continued chunks: the same tokens with
+    the steps that prefill replayed as captured pieces (`MixedGraphs`) as with every step launched eagerly."""
+    prompts, max_tokens = mixed_requests(32, seed=23)
+
+    def engine(**overrides) -> LLMEngine:
+        return LLMEngine(
+            EngineConfig(
+                model=str(tiny_model_dirs["llama3"]),
+                device="cuda",
+                dtype="float32",
+                num_gpu_blocks=512,
+                block_size=16,
+                offload_policy="never",
+                max_num_batched_tokens=96,
+                **overrides,
+            )
+        )
+
+    expected = collect(engine(enforce_eager=True), prompts, max_tokens, stagger=True)
+    graphed = engine()
+    assert graphed.runner.mixed_graphs.buckets == [16, 32, 64, 96]
+    rows_run = []
+    run = MixedGraphs.run
+
+    def counted(self, input_ids, positions, meta):
+        rows_run.append(input_ids.numel())
+        return run(self, input_ids, positions, meta)
+
+    monkeypatch.setattr(MixedGraphs, "run", counted)
+    assert collect(graphed, prompts, max_tokens, stagger=True) == expected
+    assert len(rows_run) >= 10 and max(rows_run) > 16, rows_run
+
+
 def _decode_graph_seconds(engine: LLMEngine, batch: int = 64, reps: int = 20) -> float:
     """Median time of one replay of the engine's captured decode graph, on the engine's stream."""
     graphs = engine.runner.decode_graphs
@@ -320,8 +355,9 @@ def test_sm_partition_confines_a_bandwidth_bound_step(tmp_path, tiny_model_dirs)
 
 
 def test_decode_graph_gemms_run_where_chosen_per_shape(tiny_model_dirs):
-    """Each decode batch size has a GEMM for every linear shape of the layers; inside `applied` the linears run on
-    it and compute what cuBLAS computes, and outside it they are back on torch's preferred library."""
+    """Each graph's row count (decode batches, mixed-step buckets) has a GEMM for every linear shape of the layers;
+    inside `applied` the linears run on it and compute what cuBLAS computes, and outside it they are back on torch's
+    preferred library."""
     engine = LLMEngine(
         EngineConfig(
             model=str(tiny_model_dirs["llama3"]),
@@ -333,7 +369,7 @@ def test_decode_graph_gemms_run_where_chosen_per_shape(tiny_model_dirs):
         )
     )
     gemms, model = engine.runner.gemms, engine.runner.model
-    assert set(gemms.chosen) == set(engine.runner.decode_graphs.buckets)
+    assert set(gemms.chosen) == set(engine.runner.decode_graphs.buckets) | set(engine.runner.mixed_graphs.buckets)
     linears = [linear for shape in gemms.by_shape.values() for linear in shape]
     assert len(linears) == 4 * len(model.layers)
     x = torch.randn(64, model.layers[0].down_proj.in_features, device="cuda", dtype=torch.bfloat16)
