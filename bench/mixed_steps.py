@@ -9,7 +9,7 @@ time beyond. Two parts, for decode batches of 64 and 8 (context ~1024) beside on
   replayed (the device's own time), and the host's time to launch the eager forward without waiting; where the
   step fits the engine's mixed-step graphs (`MixedGraphs`: pieces between eager attentions), those too;
 - the engine: the device time of its mixed steps (from their first kernel to their samples' copy, which counts
-  the device waiting for launches) against its decode-only steps beside them.
+  the device waiting for launches), with the pieces and eager in alternation, against its decode-only steps.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def in_engine(engine: LLMEngine, batch: int) -> list[dict]:
     """Per prompt length, the median device ms of the engine's mixed steps and of the decode-only steps beside."""
     rng = random.Random(batch)
     vocab = min(engine.model_config.vocab_size, len(engine.tokenizer))
-    steps_needed = 4 + len(PROMPTS) * REPEATS * 4
+    steps_needed = 4 + len(PROMPTS) * REPEATS * 2 * 4
     for _ in range(batch):
         prompt = [rng.randrange(vocab) for _ in range(CONTEXT - steps_needed // 2)]
         engine.add_request(prompt, {"max_tokens": 2 * steps_needed, "temperature": 0, "ignore_eos": True})
@@ -106,24 +106,25 @@ def in_engine(engine: LLMEngine, batch: int) -> list[dict]:
 
     while not (records and not records[-1]["prefill_tokens"] and records[-1]["gpu_decodes"] == batch):
         step()
+    pieces = engine.runner.mixed_graphs
     rows = []
     for prompt in PROMPTS:
-        records.clear()
+        steps: dict[str, list[float]] = {"pieces": [], "eager": [], "decode": []}
         for _ in range(REPEATS):
-            engine.add_request([rng.randrange(vocab) for _ in range(prompt)], {"max_tokens": 1, "ignore_eos": True})
-            for _ in range(4):
-                step()
-        mixed = [r["measured_s"] for r in records if r["prefill_tokens"] and r["gpu_decodes"] == batch]
-        decode = [r["measured_s"] for r in records if not r["prefill_tokens"] and r["gpu_decodes"] == batch]
-        rows.append(
-            {
-                "decode_batch": batch,
-                "prompt": prompt,
-                "mixed_steps": len(mixed),
-                "mixed_step_ms": statistics.median(mixed) * 1e3 if mixed else None,
-                "decode_step_ms": statistics.median(decode) * 1e3 if decode else None,
-            }
-        )
+            for mode in ("pieces", "eager"):
+                engine.runner.mixed_graphs = pieces if mode == "pieces" else None
+                records.clear()
+                engine.add_request([rng.randrange(vocab) for _ in range(prompt)], {"max_tokens": 1, "ignore_eos": True})
+                for _ in range(4):
+                    step()
+                full = [r for r in records if r["gpu_decodes"] == batch]
+                steps[mode] += [r["measured_s"] * 1e3 for r in full if r["prefill_tokens"]]
+                steps["decode"] += [r["measured_s"] * 1e3 for r in full if not r["prefill_tokens"]]
+        engine.runner.mixed_graphs = pieces
+        row = {"decode_batch": batch, "prompt": prompt, "mixed_steps": len(steps["pieces"])}
+        for name, times in steps.items():
+            row[f"{name}_step_ms"] = statistics.median(times) if times else None
+        rows.append(row)
     while engine.has_unfinished_requests():
         engine.step()
     return rows
@@ -158,8 +159,9 @@ def main() -> int:
             for row in in_engine(engine, batch):
                 result["engine"].append(row)
                 print(
-                    f"engine, {batch} decodes + {row['prompt']}-token prompt: mixed step {row['mixed_step_ms']} ms "
-                    f"({row['mixed_steps']} steps), decode-only step {row['decode_step_ms']} ms",
+                    f"engine, {batch} decodes + {row['prompt']}-token prompt: mixed step {row['pieces_step_ms']} ms "
+                    f"with the pieces against {row['eager_step_ms']} ms eager ({row['mixed_steps']} steps each), "
+                    f"decode-only step {row['decode_step_ms']} ms",
                     flush=True,
                 )
     if args.json:

@@ -177,12 +177,14 @@ class DecodeGraphs:
         return self.outputs[key][:n]
 
 
+MIXED_ROW_STEP = 32
+
+
 def mixed_buckets(max_rows: int) -> list[int]:
-    """Row counts of the mixed-step graphs: powers of two from 16 up to `max_rows`."""
-    sizes, size = [], 16
-    while size < max_rows:
-        sizes.append(size)
-        size *= 2
+    """Row counts of the mixed-step graphs: 16, then every multiple of 32 up to `max_rows` (and `max_rows`). Past a
+    few hundred rows a step's GEMMs are compute-bound, so a padded row costs as much as a real one: the step of 32
+    keeps that waste under 32 rows."""
+    sizes = [size for size in (16, *range(MIXED_ROW_STEP, max_rows, MIXED_ROW_STEP)) if size < max_rows]
     return sizes + [max_rows]
 
 

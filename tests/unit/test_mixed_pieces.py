@@ -30,11 +30,12 @@ def _sequence(name: str, tokens: list[int], computed: int, blocks: list[int]) ->
     return seq
 
 
-@pytest.mark.parametrize("max_rows", [64, 300])
-def test_mixed_buckets_are_powers_of_two_from_16_then_the_maximum(max_rows):
+@pytest.mark.parametrize("max_rows", [64, 300, 512])
+def test_mixed_buckets_are_16_then_multiples_of_32_then_the_maximum(max_rows):
     buckets = mixed_buckets(max_rows)
     assert buckets[-1] == max_rows and buckets == sorted(set(buckets))
-    assert all(b == 16 << i for i, b in enumerate(buckets[:-1]))
+    assert buckets[0] == 16 and all(b % 32 == 0 for b in buckets[1:-1])
+    assert all(later - earlier <= 32 for earlier, later in zip(buckets, buckets[1:]))
     assert mixed_buckets(8) == [8]
 
 
