@@ -9,7 +9,9 @@ time beyond. Two parts, for decode batches of 64 and 8 (context ~1024) beside on
   replayed (the device's own time), and the host's time to launch the eager forward without waiting; where the
   step fits the engine's mixed-step graphs (`MixedGraphs`: pieces between eager attentions), those too;
 - the engine: the device time of its mixed steps (from their first kernel to their samples' copy, which counts
-  the device waiting for launches), with the pieces and eager in alternation, against its decode-only steps.
+  the device waiting for launches), with the pieces and eager in alternation, against its decode-only steps;
+  and the wall-clock time a step of streaks of mixed steps, a new prompt every step (where the host's launches
+  cannot hide behind a decode-only step's replay).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ DECODE_BATCHES = (64, 8)
 PROMPTS = (16, 64, 256, 1024)
 CONTEXT = 1024
 REPEATS = 4  # mixed steps measured in the engine per (batch, prompt)
+STREAK = 6  # back-to-back mixed steps, a new prompt each, per streak (two streaks a mode)
 
 
 def forward_alone(engine: LLMEngine, batch: int, prompt: int) -> dict:
@@ -90,7 +93,7 @@ def in_engine(engine: LLMEngine, batch: int) -> list[dict]:
     """Per prompt length, the median device ms of the engine's mixed steps and of the decode-only steps beside."""
     rng = random.Random(batch)
     vocab = min(engine.model_config.vocab_size, len(engine.tokenizer))
-    steps_needed = 4 + len(PROMPTS) * REPEATS * 2 * 4
+    steps_needed = 4 + len(PROMPTS) * (REPEATS * 2 * 4 + 2 * 2 * (STREAK + 4))
     for _ in range(batch):
         prompt = [rng.randrange(vocab) for _ in range(CONTEXT - steps_needed // 2)]
         engine.add_request(prompt, {"max_tokens": 2 * steps_needed, "temperature": 0, "ignore_eos": True})
@@ -104,8 +107,15 @@ def in_engine(engine: LLMEngine, batch: int) -> list[dict]:
             last = engine.counters.last_iteration
             records.append(last)
 
-    while not (records and not records[-1]["prefill_tokens"] and records[-1]["gpu_decodes"] == batch):
-        step()
+    def settle() -> None:
+        """Step until a step carries the decodes alone and no prompt waits: none left from what came before."""
+        records.clear()
+        while engine.scheduler.waiting or not (
+            records and not records[-1]["prefill_tokens"] and records[-1]["gpu_decodes"] == batch
+        ):
+            step()
+
+    settle()
     pieces = engine.runner.mixed_graphs
     rows = []
     for prompt in PROMPTS:
@@ -120,10 +130,22 @@ def in_engine(engine: LLMEngine, batch: int) -> list[dict]:
                 full = [r for r in records if r["gpu_decodes"] == batch]
                 steps[mode] += [r["measured_s"] * 1e3 for r in full if r["prefill_tokens"]]
                 steps["decode"] += [r["measured_s"] * 1e3 for r in full if not r["prefill_tokens"]]
+        streaks: dict[str, list[float]] = {"pieces": [], "eager": []}
+        for _ in range(2):
+            for mode in ("pieces", "eager"):
+                engine.runner.mixed_graphs = pieces if mode == "pieces" else None
+                start = time.perf_counter()
+                for _ in range(STREAK):
+                    engine.add_request([rng.randrange(vocab) for _ in range(prompt)], {"max_tokens": 1})
+                    step()
+                streaks[mode].append((time.perf_counter() - start) / STREAK * 1e3)
+                settle()
         engine.runner.mixed_graphs = pieces
         row = {"decode_batch": batch, "prompt": prompt, "mixed_steps": len(steps["pieces"])}
         for name, times in steps.items():
             row[f"{name}_step_ms"] = statistics.median(times) if times else None
+        for name, times in streaks.items():
+            row[f"{name}_streak_wall_ms"] = min(times)
         rows.append(row)
     while engine.has_unfinished_requests():
         engine.step()
@@ -132,7 +154,8 @@ def in_engine(engine: LLMEngine, batch: int) -> list[dict]:
 
 def main() -> int:
     args = llama3_8b_args(__doc__)
-    args.offload_policy, args.max_num_seqs = "never", max(args.max_num_seqs or 0, max(DECODE_BATCHES) + 1)
+    # seats for a streak's prompts beside the largest decode batch: none waits for another to finish
+    args.offload_policy, args.max_num_seqs = "never", max(args.max_num_seqs or 0, max(DECODE_BATCHES) + STREAK)
     engine = LLMEngine(EngineConfig.from_cli_args(args))
     if engine.runner.device.type != "cuda":
         print("bench/mixed_steps.py needs a CUDA device")
@@ -161,7 +184,9 @@ def main() -> int:
                 print(
                     f"engine, {batch} decodes + {row['prompt']}-token prompt: mixed step {row['pieces_step_ms']} ms "
                     f"with the pieces against {row['eager_step_ms']} ms eager ({row['mixed_steps']} steps each), "
-                    f"decode-only step {row['decode_step_ms']} ms",
+                    f"decode-only step {row['decode_step_ms']} ms; back to back, a new prompt every step: "
+                    f"{row['pieces_streak_wall_ms']:.2f} ms a step with the pieces against "
+                    f"{row['eager_streak_wall_ms']:.2f} eager (wall clock)",
                     flush=True,
                 )
     if args.json:
