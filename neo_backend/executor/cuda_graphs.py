@@ -30,6 +30,7 @@ log = logging.getLogger("neo_backend")
 PROGRESS_SECONDS = 10.0
 # Steps of more rows than this run eagerly: from ~1000 prompt tokens the device's work outlasts the launches.
 MIXED_MAX_ROWS = 512
+MIXED_ROW_STEP = 32
 
 
 class CaptureProgress:
@@ -175,9 +176,6 @@ class DecodeGraphs:
         self.inputs.load(input_ids, positions, meta, key[0])
         self.graphs[key].replay()
         return self.outputs[key][:n]
-
-
-MIXED_ROW_STEP = 32
 
 
 def mixed_buckets(max_rows: int) -> list[int]:

@@ -319,10 +319,8 @@ class ModelRunner:
                 and self.decode_graphs.can_run(len(batch.gpu_decodes))
             ):
                 hidden = self.decode_graphs.run(sub.input_ids, sub.positions, sub.meta)
-            elif self.mixed_graphs is not None and self.mixed_graphs.fits(sub.input_ids.numel()):
-                hidden = self.mixed_graphs.run(sub.input_ids, sub.positions, sub.meta)[step.sample_rows]
             else:
-                hidden = self.model(sub.input_ids, sub.positions, sub.meta)[step.sample_rows]
+                hidden = self.forward_prefilling(sub.input_ids, sub.positions, sub.meta)[step.sample_rows]
             sample_seqs = step.sample_seqs
         if not sample_seqs:
             return [], None
@@ -330,6 +328,15 @@ class ModelRunner:
         if self.tp.rank > 0:
             return sample_seqs, None
         return sample_seqs, self.sampler.launch(logits, sample_seqs)
+
+    def forward_prefilling(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Hidden states of a GPU-only step that prefills: through the mixed-step graphs where it fits, else
+        launched a kernel at a time."""
+        if self.mixed_graphs is not None and self.mixed_graphs.fits(input_ids.numel()):
+            return self.mixed_graphs.run(input_ids, positions, meta)
+        return self.model(input_ids, positions, meta)
 
     def profile(self) -> PerfModel:
         """The performance model's measurements; at tensor_parallel_size > 1 every rank takes them at once (the

@@ -81,9 +81,8 @@ def _dense_forward(runner, tokens: int) -> None:
     device = runner.device
     ids = torch.zeros(tokens, dtype=torch.long, device=device)
     if tokens > runner.config.max_num_seqs:
-        mixed = runner.mixed_graphs
-        forward = mixed.run if mixed is not None and mixed.fits(tokens) else runner.model  # as such steps run
-        hidden = forward(ids, torch.arange(tokens, device=device), prefill_metadata(tokens, runner.block_size, device))
+        meta = prefill_metadata(tokens, runner.block_size, device)
+        hidden = runner.forward_prefilling(ids, torch.arange(tokens, device=device), meta)
         runner.model.compute_logits(hidden[-1:])
         return
     table = (torch.arange(tokens, device=device, dtype=torch.int32) // runner.block_size).view(tokens, 1)
