@@ -90,7 +90,8 @@ def launch_seconds(forward, device: torch.device, reps: int = 10) -> float:
 
 
 def in_engine(engine: LLMEngine, batch: int) -> list[dict]:
-    """Per prompt length, the median device ms of the engine's mixed steps and of the decode-only steps beside."""
+    """Per prompt length, the median device ms of the engine's mixed steps (with the pieces and eager) and of the
+    decode-only steps beside, and the wall-clock ms a step of streaks of mixed steps in either mode."""
     rng = random.Random(batch)
     vocab = min(engine.model_config.vocab_size, len(engine.tokenizer))
     steps_needed = 4 + len(PROMPTS) * (REPEATS * 2 * 4 + 2 * 2 * (STREAK + 4))
@@ -115,14 +116,18 @@ def in_engine(engine: LLMEngine, batch: int) -> list[dict]:
         ):
             step()
 
-    settle()
     pieces = engine.runner.mixed_graphs
+
+    def use(mode: str) -> None:
+        engine.runner.mixed_graphs = pieces if mode == "pieces" else None
+
+    settle()
     rows = []
     for prompt in PROMPTS:
         steps: dict[str, list[float]] = {"pieces": [], "eager": [], "decode": []}
         for _ in range(REPEATS):
             for mode in ("pieces", "eager"):
-                engine.runner.mixed_graphs = pieces if mode == "pieces" else None
+                use(mode)
                 records.clear()
                 engine.add_request([rng.randrange(vocab) for _ in range(prompt)], {"max_tokens": 1, "ignore_eos": True})
                 for _ in range(4):
@@ -133,14 +138,14 @@ def in_engine(engine: LLMEngine, batch: int) -> list[dict]:
         streaks: dict[str, list[float]] = {"pieces": [], "eager": []}
         for _ in range(2):
             for mode in ("pieces", "eager"):
-                engine.runner.mixed_graphs = pieces if mode == "pieces" else None
+                use(mode)
                 start = time.perf_counter()
                 for _ in range(STREAK):
                     engine.add_request([rng.randrange(vocab) for _ in range(prompt)], {"max_tokens": 1})
                     step()
                 streaks[mode].append((time.perf_counter() - start) / STREAK * 1e3)
                 settle()
-        engine.runner.mixed_graphs = pieces
+        use("pieces")
         row = {"decode_batch": batch, "prompt": prompt, "mixed_steps": len(steps["pieces"])}
         for name, times in steps.items():
             row[f"{name}_step_ms"] = statistics.median(times) if times else None
