@@ -118,6 +118,10 @@ def in_engine(engine: LLMEngine, batch: int) -> list[dict]:
 
     pieces = engine.runner.mixed_graphs
 
+    def add_prompt(tokens: int) -> None:
+        """A new prompt that samples one token: its prefill is the mixed step."""
+        engine.add_request([rng.randrange(vocab) for _ in range(tokens)], {"max_tokens": 1, "ignore_eos": True})
+
     def use(mode: str) -> None:
         engine.runner.mixed_graphs = pieces if mode == "pieces" else None
 
@@ -129,7 +133,7 @@ def in_engine(engine: LLMEngine, batch: int) -> list[dict]:
             for mode in ("pieces", "eager"):
                 use(mode)
                 records.clear()
-                engine.add_request([rng.randrange(vocab) for _ in range(prompt)], {"max_tokens": 1, "ignore_eos": True})
+                add_prompt(prompt)
                 for _ in range(4):
                     step()
                 full = [r for r in records if r["gpu_decodes"] == batch]
@@ -141,7 +145,7 @@ def in_engine(engine: LLMEngine, batch: int) -> list[dict]:
                 use(mode)
                 start = time.perf_counter()
                 for _ in range(STREAK):
-                    engine.add_request([rng.randrange(vocab) for _ in range(prompt)], {"max_tokens": 1})
+                    add_prompt(prompt)
                     step()
                 streaks[mode].append((time.perf_counter() - start) / STREAK * 1e3)
                 settle()
