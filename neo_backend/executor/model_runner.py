@@ -18,11 +18,11 @@ from ..cpu.abi import SUPPORTED_HEAD_DIMS
 from ..errors import ConfigError
 from ..layers.attention import AttentionMetadata, PrefillChunk, prefill_metadata
 from ..layers.parallel import TensorParallel
-from ..layers.sampler import PendingSample, Sampler
+from ..layers.sampler import PendingSample, Sampler, greedy
 from ..models.loader import ModelSource, load_model
 from ..staging import tensor_on, to_device
 from . import stream_flags
-from .cuda_graphs import MIXED_MAX_ROWS, DecodeGraphs, DecodeInputs, LaneGraphs, MixedGraphs
+from .cuda_graphs import MIXED_MAX_ROWS, DecodeGraphs, DecodeInputs, LaneGraphs, MixedGraphs, bucket_for, width_buckets
 from .gemm_libraries import GemmLibraries
 from .gpu_partition import sm_partition
 from .host_attention import HostAttention, HostDecodeBatch
@@ -99,7 +99,19 @@ class ModelRunner:
                 max_rows = min(MIXED_MAX_ROWS, config.max_num_batched_tokens)
                 scratch_slot = self.num_gpu_blocks * self.block_size
                 self.mixed_graphs = MixedGraphs(self.model, self.device, max_rows, scratch_slot, self.gemms)
+            self.table_widths = width_buckets(self.max_blocks_per_seq, self.block_size)
+            if self.device.type == "cuda":
+                self._warm_up()
             self._init_offload(config, model_cfg)
+
+    @torch.inference_mode()
+    def _warm_up(self, tokens: int = 16) -> None:
+        """A short prefill and its greedy sample: what builds or compiles on first use (FlashInfer's prefill
+        kernels, the greedy sampler's Triton kernels) does so at start-up, not on the first request."""
+        ids = torch.zeros(tokens, dtype=torch.long, device=self.device)
+        meta = prefill_metadata(tokens, self.block_size, self.device)
+        hidden = self.forward_prefilling(ids, torch.arange(tokens, device=self.device), meta)
+        greedy(self.model.compute_logits(hidden[-1:]))
 
     def device_scope(self) -> contextlib.AbstractContextManager:
         """Where every GPU operation of the engine runs: a stream of the SM partition, or the current one."""
@@ -389,7 +401,7 @@ class ModelRunner:
             slot_mapping=to_device(_joined(slots), self.device),
             prefills=chunks,
             num_prefill_tokens=num_prefill,
-            decode_block_tables=self._block_tables(gpu_decodes, self.device),
+            decode_block_tables=self._block_tables(gpu_decodes, self.device, self.table_widths),
             decode_context_lens=self._tensor([len(s.token_ids) for s in gpu_decodes], torch.int32),
         )
         host_batch = None
@@ -407,10 +419,14 @@ class ModelRunner:
         return PreparedStep(sub, self._tensor(sample_rows, torch.long), sample_seqs)
 
     @staticmethod
-    def _block_tables(seqs: list[Sequence], device: torch.device) -> torch.Tensor:
+    def _block_tables(seqs: list[Sequence], device: torch.device, widths: list[int] | None = None) -> torch.Tensor:
         """The sequences' block tables as rows padded with block 0, built in one int32 buffer (a nested list
-        through `torch.tensor` costs ~3x more, on the critical path of every step)."""
+        through `torch.tensor` costs ~3x more, on the critical path of every step). With `widths`, as wide as the
+        narrowest that fits: the device's decode attention then launches in one of the shapes the decode graphs
+        compiled at start-up, where an eager step meeting a new one would wait 0.2-0.5 s for Triton to compile it."""
         width = max((len(s.block_table) for s in seqs), default=1)
+        if widths:
+            width = bucket_for(widths, width)
         flat = array("i", bytes(4 * width * max(1, len(seqs))))
         for row, seq in enumerate(seqs):
             start = row * width

@@ -142,8 +142,9 @@ def _decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, out) 
 
 
 if triton is not None:
-
-    @triton.jit
+    # The table's row stride and the split count vary with the batch's contexts: specialized on them (divisible by
+    # 16 or not), the kernels would compile anew on a step that meets a new class.
+    @triton.jit(do_not_specialize=["stride_tb"])
     def _paged_decode_kernel(
         q_ptr,
         k_ptr,
@@ -217,7 +218,7 @@ if triton is not None:
             o_offs = seq * stride_ob + q_heads[:, None] * stride_oh + dims[None, :]
             tl.store(out_ptr + o_offs, (acc / denom[:, None]).to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_splits"])
     def _merge_splits_kernel(
         partial_ptr,
         lens_ptr,

@@ -19,7 +19,7 @@ from neo_backend.executor import stream_flags
 from neo_backend.executor.cuda_graphs import MixedGraphs
 from neo_backend.executor.host_pool import HostKVCache
 from neo_backend.executor.swapper import BlockSwapper
-from neo_backend.layers import flashinfer_prefill, fused, skinny_gemm
+from neo_backend.layers import flashinfer_prefill, fused, paged_decode, skinny_gemm
 from neo_backend.layers.activation import silu_and_mul_reference
 from neo_backend.layers.attention import AttentionMetadata, PagedAttention, PrefillChunk, split_qkv
 from neo_backend.layers.blas import Gemm
@@ -299,6 +299,49 @@ def test_cuda_greedy_unchanged_by_mixed_step_graphs(tiny_model_dirs, monkeypatch
     monkeypatch.setattr(MixedGraphs, "run", counted)
     assert collect(graphed, prompts, max_tokens, stagger=True) == expected
     assert len(rows_run) >= 10 and max(rows_run) > 16, rows_run
+
+
+def _triton_kernels() -> dict:
+    """The engine's Triton kernels by name."""
+    from triton.runtime.jit import JITFunction
+
+    return {
+        f"{module.__name__}.{name}": fn
+        for module in (paged_decode, fused, skinny_gemm)
+        for name, fn in vars(module).items()
+        if isinstance(fn, JITFunction)
+    }
+
+
+def _compiled_variants() -> dict[str, int]:
+    """How many specializations of each of the engine's Triton kernels this process holds compiled."""
+    return {name: sum(len(cache[0]) for cache in fn.device_caches.values()) for name, fn in _triton_kernels().items()}
+
+
+def test_cuda_steps_after_start_up_compile_no_triton_kernel(tiny_model_dirs):
+    """Triton compiles a kernel for each new specialization it meets (constexprs, and integer arguments divisible
+    by 16 or not), on the engine's thread, 0.2-0.5 s each: whatever serving meets must be compiled at start-up.
+    Staggered greedy requests of many lengths, prompts prefilled beside decodes of every batch size and table
+    width they reach: no kernel compiles after the engine is built (this process's compiled kernels dropped
+    first, so earlier tests' compiles do not count)."""
+    for fn in _triton_kernels().values():
+        fn.device_caches.clear()
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(tiny_model_dirs["llama3"]),
+            device="cuda",
+            dtype="bfloat16",
+            num_gpu_blocks=512,
+            block_size=16,
+            offload_policy="never",
+            max_num_batched_tokens=96,
+        )
+    )
+    compiled = _compiled_variants()
+    prompts, max_tokens = mixed_requests(32, seed=29)
+    collect(engine, prompts, max_tokens, stagger=True)
+    after = _compiled_variants()
+    assert after == compiled, {name: (compiled[name], n) for name, n in after.items() if n != compiled[name]}
 
 
 def _decode_graph_seconds(engine: LLMEngine, batch: int = 64, reps: int = 20) -> float:
