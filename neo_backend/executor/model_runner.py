@@ -100,8 +100,7 @@ class ModelRunner:
                 scratch_slot = self.num_gpu_blocks * self.block_size
                 self.mixed_graphs = MixedGraphs(self.model, self.device, max_rows, scratch_slot, self.gemms)
             self.table_widths = width_buckets(self.max_blocks_per_seq, self.block_size)
-            if self.device.type == "cuda":
-                self._warm_up()
+            self._warm_up()
             self._init_offload(config, model_cfg)
 
     @torch.inference_mode()

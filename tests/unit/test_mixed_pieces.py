@@ -1,15 +1,18 @@
 """The pieces that CUDA graphs capture for steps that prefill (`MixedGraphs`), run eagerly on the CPU with each
 layer's attention between them: the model's own forward for a step of new and continued prompt chunks beside
-decodes, and the rows padded up to the bucket write nowhere but the scratch block."""
+decodes (their block tables as wide as a decode graph's), and the rows padded up to the bucket write nowhere but the
+scratch block."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
 
 from neo_backend import EngineConfig, LLMEngine, SamplingParams
 from neo_backend.core.sequence import Sequence
-from neo_backend.executor.cuda_graphs import MixedGraphs, mixed_buckets
+from neo_backend.executor.cuda_graphs import MixedGraphs, bucket_for, mixed_buckets
 from neo_backend.executor.gemm_libraries import GemmLibraries
 
 
@@ -72,6 +75,11 @@ def test_pieces_give_the_forward_of_a_mixed_step(tiny_model_dirs):
     got = pieces.run(sub.input_ids, sub.positions, sub.meta)
 
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    tables = sub.meta.decode_block_tables
+    assert tables.shape[1] == bucket_for(runner.table_widths, 4), "decodes attend over a decode graph's width"
+    assert tables[:, :4].tolist() == [seq.block_table for seq in decodes] and not tables[:, 4:].any()
+    exact = replace(sub.meta, decode_block_tables=tables[:, :4].contiguous())
+    torch.testing.assert_close(runner.model(sub.input_ids, sub.positions, exact), expected, rtol=0, atol=0)
     for before, cache in zip(pool, runner.k_caches + runner.v_caches):
         torch.testing.assert_close(cache[: runner.num_gpu_blocks], before, rtol=1e-5, atol=1e-5)
     assert not torch.equal(runner.k_caches[0][runner.num_gpu_blocks], scratch_before), "padded rows store there"
