@@ -125,12 +125,12 @@ def bucket_for(buckets: list[int], rows: int) -> int:
 
 
 class DecodeGraphs:
-    def __init__(self, model, inputs: DecodeInputs, block_size: int, gemms: GemmLibraries) -> None:
+    def __init__(self, model, inputs: DecodeInputs, widths: list[int], gemms: GemmLibraries) -> None:
         self.model = model
         self.inputs = inputs
         self.gemms = gemms
         self.buckets = batch_buckets(inputs.max_batch)
-        self.widths = width_buckets(inputs.tables.shape[1], block_size)
+        self.widths = widths  # block-table widths (`width_buckets`)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # by (batch bucket, table width)
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self._capture()

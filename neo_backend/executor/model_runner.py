@@ -93,13 +93,13 @@ class ModelRunner:
             self.mixed_graphs: MixedGraphs | None = None
             self.gemms: GemmLibraries | None = None
             self.max_blocks_per_seq = (max_model_len + self.block_size - 1) // self.block_size
+            self.table_widths = width_buckets(self.max_blocks_per_seq, self.block_size)
             if self.device.type == "cuda" and not config.enforce_eager:
                 self.gemms = GemmLibraries(self.model)
-                self.decode_graphs = DecodeGraphs(self.model, self._decode_inputs(), self.block_size, self.gemms)
+                self.decode_graphs = DecodeGraphs(self.model, self._decode_inputs(), self.table_widths, self.gemms)
                 max_rows = min(MIXED_MAX_ROWS, config.max_num_batched_tokens)
                 scratch_slot = self.num_gpu_blocks * self.block_size
                 self.mixed_graphs = MixedGraphs(self.model, self.device, max_rows, scratch_slot, self.gemms)
-            self.table_widths = width_buckets(self.max_blocks_per_seq, self.block_size)
             self._warm_up()
             self._init_offload(config, model_cfg)
 
