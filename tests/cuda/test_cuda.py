@@ -31,6 +31,12 @@ from neo_backend.staging import device_view, write_rows
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
+def cuda_engine(model_dir, **knobs) -> LLMEngine:
+    """An engine on the GPU with 16-token blocks, GPU-only unless `knobs` say otherwise."""
+    knobs = {"device": "cuda", "block_size": 16, "offload_policy": "never", **knobs}
+    return LLMEngine(EngineConfig(model=str(model_dir), **knobs))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(32, 8, 128, 16), (9, 3, 64, 16), (8, 8, 64, 32)])
 @pytest.mark.parametrize("max_len,spare_blocks", [(1500, 0), (200, 0), (700, 300)])
@@ -199,16 +205,7 @@ def test_cuda_logits_match_cpu_engine(tiny_model_dirs):
     params = {"max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 1}
     outs = {}
     for device in ("cpu", "cuda"):
-        engine = LLMEngine(
-            EngineConfig(
-                model=str(tiny_model_dirs["llama3"]),
-                device=device,
-                dtype="float32",
-                num_gpu_blocks=64,
-                block_size=16,
-                offload_policy="never",
-            )
-        )
+        engine = cuda_engine(tiny_model_dirs["llama3"], device=device, dtype="float32", num_gpu_blocks=64)
         outs[device] = engine.generate([prompt], params)[0]
     assert outs["cuda"].token_ids == outs["cpu"].token_ids
     assert outs["cuda"].cumulative_logprob == pytest.approx(outs["cpu"].cumulative_logprob, rel=1e-2, abs=1e-2)
@@ -230,32 +227,18 @@ def test_cuda_greedy_unchanged_by_offload(tiny_model_dirs, policy, pipeline, sm_
     """Against the whole GPU under `never`, its steps one at a time: the same tokens with overlapped steps (in a
     pool small enough to preempt), with offloading, and on an 8-SM partition."""
     prompts, max_tokens = mixed_requests(32, seed=21)
-    base = LLMEngine(
-        EngineConfig(
-            model=str(tiny_model_dirs["llama3"]),
-            device="cuda",
-            dtype="float32",
-            num_gpu_blocks=512,
-            block_size=16,
-            offload_policy="never",
-            overlap_steps="off",
-        )
-    )
+    base = cuda_engine(tiny_model_dirs["llama3"], dtype="float32", num_gpu_blocks=512, overlap_steps="off")
     expected = collect(base, prompts, max_tokens, stagger=True)
-    engine = LLMEngine(
-        EngineConfig(
-            model=str(tiny_model_dirs["llama3"]),
-            device="cuda",
-            dtype="float32",
-            num_gpu_blocks=24,
-            gpu_sm_count=sm_count,
-            block_size=16,
-            offload_policy=policy,
-            pipeline=pipeline,
-            cpu_kv_cache_gb=0.05,
-            max_num_batched_tokens=128,
-            cpu_latency_slack=1000.0,
-        )
+    engine = cuda_engine(
+        tiny_model_dirs["llama3"],
+        dtype="float32",
+        num_gpu_blocks=24,
+        gpu_sm_count=sm_count,
+        offload_policy=policy,
+        pipeline=pipeline,
+        cpu_kv_cache_gb=0.05,
+        max_num_batched_tokens=128,
+        cpu_latency_slack=1000.0,
     )
     if policy == "auto":
         fixed_perf_model(engine, monkeypatch)
@@ -273,17 +256,8 @@ def test_cuda_greedy_unchanged_by_mixed_step_graphs(tiny_model_dirs, monkeypatch
     prompts, max_tokens = mixed_requests(32, seed=23)
 
     def engine(**overrides) -> LLMEngine:
-        return LLMEngine(
-            EngineConfig(
-                model=str(tiny_model_dirs["llama3"]),
-                device="cuda",
-                dtype="float32",
-                num_gpu_blocks=512,
-                block_size=16,
-                offload_policy="never",
-                max_num_batched_tokens=96,
-                **overrides,
-            )
+        return cuda_engine(
+            tiny_model_dirs["llama3"], dtype="float32", num_gpu_blocks=512, max_num_batched_tokens=96, **overrides
         )
 
     expected = collect(engine(enforce_eager=True), prompts, max_tokens, stagger=True)
@@ -326,17 +300,7 @@ def test_cuda_steps_after_start_up_compile_no_triton_kernel(tiny_model_dirs):
     first, so earlier tests' compiles do not count)."""
     for fn in _triton_kernels().values():
         fn.device_caches.clear()
-    engine = LLMEngine(
-        EngineConfig(
-            model=str(tiny_model_dirs["llama3"]),
-            device="cuda",
-            dtype="bfloat16",
-            num_gpu_blocks=512,
-            block_size=16,
-            offload_policy="never",
-            max_num_batched_tokens=96,
-        )
-    )
+    engine = cuda_engine(tiny_model_dirs["llama3"], dtype="bfloat16", num_gpu_blocks=512, max_num_batched_tokens=96)
     compiled = _compiled_variants()
     prompts, max_tokens = mixed_requests(32, seed=29)
     collect(engine, prompts, max_tokens, stagger=True)
@@ -380,17 +344,13 @@ def test_sm_partition_confines_a_bandwidth_bound_step(tmp_path, tiny_model_dirs)
     (tmp_path / "config.json").write_text(json.dumps(config))
     times = {}
     for sm_count in (None, 8):
-        engine = LLMEngine(
-            EngineConfig(
-                model=str(tmp_path),
-                load_format="dummy",
-                tokenizer=str(tiny_model_dirs["llama3"]),
-                device="cuda",
-                num_gpu_blocks=256,
-                max_num_seqs=64,
-                offload_policy="never",
-                gpu_sm_count=sm_count,
-            )
+        engine = cuda_engine(
+            tmp_path,
+            load_format="dummy",
+            tokenizer=str(tiny_model_dirs["llama3"]),
+            num_gpu_blocks=256,
+            max_num_seqs=64,
+            gpu_sm_count=sm_count,
         )
         times[sm_count] = _decode_graph_seconds(engine)
         del engine
@@ -401,16 +361,7 @@ def test_decode_graph_gemms_run_where_chosen_per_shape(tiny_model_dirs):
     """Each graph's row count (decode batches, mixed-step buckets) has a GEMM for every linear shape of the layers;
     inside `applied` the linears run on it and compute what cuBLAS computes, and outside it they are back on torch's
     preferred library."""
-    engine = LLMEngine(
-        EngineConfig(
-            model=str(tiny_model_dirs["llama3"]),
-            device="cuda",
-            dtype="bfloat16",
-            num_gpu_blocks=64,
-            max_num_seqs=64,
-            offload_policy="never",
-        )
-    )
+    engine = cuda_engine(tiny_model_dirs["llama3"], dtype="bfloat16", num_gpu_blocks=64, max_num_seqs=64)
     gemms, model = engine.runner.gemms, engine.runner.model
     assert set(gemms.chosen) == set(engine.runner.decode_graphs.buckets) | set(engine.runner.mixed_graphs.buckets)
     linears = [linear for shape in gemms.by_shape.values() for linear in shape]
