@@ -1,6 +1,6 @@
 """The OpenAI-compatible gateway in front of a real tritonserver and the default model, driven by the official
-`openai` SDK: completions and chat, streaming and not, sampling parameters, usage, logprobs, errors, a dropped
-stream, and the API key."""
+`openai` SDK (and LangChain's OpenAI integrations): completions and chat, streaming and not, sampling parameters,
+usage, logprobs, errors, a dropped stream, and the API key."""
 
 from __future__ import annotations
 
@@ -256,6 +256,47 @@ def test_vllm_extra_parameters_reach_the_engine(api):
         extra_body={"ignore_eos": True, "min_tokens": 20, "top_k": 5, "repetition_penalty": 1.1},
     )
     assert response.usage.completion_tokens == 20 and response.choices[0].finish_reason == "length"
+
+
+def test_langchain_chat_and_completion_models_answer_as_the_sdk_does(api, base_url):
+    """LangChain's OpenAI integrations, as an application builds them on this server: the chat model's answer,
+    streamed and not, and its token usage are the SDK's; a conversation with system and assistant turns goes
+    through the model's template; the completion model's request (a list of prompts, unset fields sent as null)
+    is accepted and answers what the SDK gets."""
+    from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
+    from langchain_openai import ChatOpenAI, OpenAI
+
+    connection = dict(base_url=f"{base_url}/v1", api_key="unused", model=MODEL, timeout=TIMEOUT_S, max_retries=0)
+    chat = ChatOpenAI(**connection, temperature=0, max_tokens=16, stream_usage=True)
+    expected = api.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": QUESTION}], max_completion_tokens=16, temperature=0
+    )
+    reply = chat.invoke(QUESTION)
+    assert reply.content == expected.choices[0].message.content and "Paris" in reply.content
+    assert reply.usage_metadata["input_tokens"] == expected.usage.prompt_tokens
+    assert reply.usage_metadata["output_tokens"] == expected.usage.completion_tokens
+    chunks = list(chat.stream(QUESTION))
+    assert "".join(chunk.content for chunk in chunks) == reply.content
+    assert sum((chunk for chunk in chunks[1:]), chunks[0]).usage_metadata == reply.usage_metadata
+
+    turns = [SystemMessage("You answer in one word."), HumanMessage("Name a colour."), AIMessage("Blue.")]
+    conversation = chat.invoke([*turns, HumanMessage(QUESTION)])
+    expected = api.chat.completions.create(
+        model=MODEL,
+        messages=[
+            {"role": "system", "content": "You answer in one word."},
+            {"role": "user", "content": "Name a colour."},
+            {"role": "assistant", "content": "Blue."},
+            {"role": "user", "content": QUESTION},
+        ],
+        max_completion_tokens=16,
+        temperature=0,
+    )
+    assert conversation.content == expected.choices[0].message.content
+
+    completion = OpenAI(**connection, temperature=0, max_tokens=12).invoke(PROMPT)
+    expected = api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
+    assert completion == expected.choices[0].text and completion.startswith(" Paris")
 
 
 # Errors -------------------------------------------------------------------------------------------------------
