@@ -43,7 +43,7 @@ from neo_backend.core.sequence import Placement  # noqa: E402
 from neo_backend.executor.cuda_graphs import capture  # noqa: E402
 from neo_backend.layers import paged_decode  # noqa: E402
 from neo_backend.layers.activation import silu_and_mul  # noqa: E402
-from neo_backend.layers.attention import AttentionMetadata, PrefillChunk  # noqa: E402
+from neo_backend.layers.attention import prefill_metadata  # noqa: E402
 from neo_backend.timing import median_seconds  # noqa: E402
 
 REPS = 20
@@ -192,7 +192,7 @@ def prefill(engine: LLMEngine, peak: float, num_seqs: int = 8, tokens: int = 100
         seconds = graph_seconds(lambda lin=linear, x=x: lin(x), device, reps=PREFILL_REPS)
         rows.append(_row(name, n, seconds, _gemm_flops(linear, m) / peak))
     attention_flops = num_seqs * 2 * 2 * layer.num_heads * layer.head_dim * tokens * tokens / 2
-    meta = prompts_metadata(num_seqs, tokens, device)
+    meta = prefill_metadata(tokens, engine.config.block_size, device, num_prompts=num_seqs)
     out = torch.empty_like(q)
     seconds = median_seconds(lambda: layer.attn(q, kv, kv, meta, out=out), 5, device=device, warmup=1)
     rows.append(_row(f"attention ({num_seqs} prompts, one call)", n, seconds, attention_flops / peak))
@@ -205,19 +205,6 @@ def prefill(engine: LLMEngine, peak: float, num_seqs: int = 8, tokens: int = 100
         "step_ms": step_s * 1e3,
         "fraction_of_matmul_peak": model_flops / step_s / peak,
     }
-
-
-def prompts_metadata(num_seqs: int, tokens: int, device: torch.device) -> AttentionMetadata:
-    """A step of `num_seqs` new prompts of `tokens` each, as the engine's prefill attention groups them (one call
-    over the packed rows: FlashInfer's where the extra runs, else torch's flash attention)."""
-    table = torch.zeros(1, dtype=torch.int32, device=device)
-    return AttentionMetadata(
-        slot_mapping=torch.arange(num_seqs * tokens, device=device),
-        prefills=[PrefillChunk(i * tokens, tokens, 0, table) for i in range(num_seqs)],
-        num_prefill_tokens=num_seqs * tokens,
-        decode_block_tables=torch.zeros(0, 1, dtype=torch.int32, device=device),
-        decode_context_lens=torch.zeros(0, dtype=torch.int32, device=device),
-    )
 
 
 def _gemm_flops(linear: torch.nn.Linear, m: int) -> float:

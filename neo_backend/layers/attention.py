@@ -100,14 +100,16 @@ def _run_of(chunks: list[PrefillChunk]) -> PrefillRun:
     )
 
 
-def prefill_metadata(num_tokens: int, block_size: int, device: torch.device) -> AttentionMetadata:
-    """One prompt of `num_tokens` tokens from position 0 in the pool's first blocks: the shape the start-up
-    measurements give a prefill."""
+def prefill_metadata(num_tokens: int, block_size: int, device: torch.device, num_prompts: int = 1) -> AttentionMetadata:
+    """`num_prompts` new prompts of `num_tokens` tokens from position 0, each in its own run of the pool's first
+    blocks: the shape the start-up measurements (one prompt) and the benchmarks give a prefill."""
     num_blocks = (num_tokens + block_size - 1) // block_size
+    tables = torch.arange(num_prompts * num_blocks, dtype=torch.int32, device=device).view(num_prompts, num_blocks)
+    first_slots = torch.arange(num_prompts, device=device).unsqueeze(1) * num_blocks * block_size
     return AttentionMetadata(
-        slot_mapping=torch.arange(num_tokens, device=device),
-        prefills=[PrefillChunk(0, num_tokens, 0, torch.arange(num_blocks, dtype=torch.int32, device=device))],
-        num_prefill_tokens=num_tokens,
+        slot_mapping=(first_slots + torch.arange(num_tokens, device=device)).flatten(),
+        prefills=[PrefillChunk(i * num_tokens, num_tokens, 0, tables[i]) for i in range(num_prompts)],
+        num_prefill_tokens=num_prompts * num_tokens,
         decode_block_tables=torch.zeros(0, 1, dtype=torch.int32, device=device),
         decode_context_lens=torch.zeros(0, dtype=torch.int32, device=device),
     )
