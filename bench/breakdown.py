@@ -4,14 +4,15 @@ model's CUDA graph, and the host's share of `engine.step()`.
     python bench/breakdown.py --tokenizer DIR --json bench/results/h200_breakdown.json
 
 Llama-3-8B shape, dummy bf16 weights, `offload_policy` never. Every kernel is timed on the engine's own stream,
-replayed `REPS` times inside one CUDA graph (no launch gaps), on layer 0's weights and the engine's KV pool;
-its floor is its bytes over the measured copy bandwidth (decode) or its FLOPs over the measured bf16 matmul
-rate (prefill). Per decode point: the kernels of one layer times the layer count plus the LM head and the
-sampler ("kernels sum"), the whole model's decode graph replayed alone, and the median `engine.step()`; the step
-minus the graph, the LM head and the sampler (`host_gap_ms`) is the step's input copies and small kernels and any
-time the GPU waits for the host (scheduling, batch building, launch, output processing). The prefill: 8 x 1000
-tokens, its GEMMs (two calls a graph: their outputs are large), its attention (the layer's own call over the 8
-prompts, launched as a step launches it) and the rest, against the step's time.
+replayed `REPS` times inside one CUDA graph (no launch gaps) on the engine's KV pool; a decode GEMM's replays go
+through as many layers' weights, as a step's do (one layer's, replayed, would be read from the L2); its floor is
+its bytes over the measured copy bandwidth (decode) or its FLOPs over the measured bf16 matmul rate (prefill). Per
+decode point: the kernels of one layer times the layer count plus the LM head and the sampler ("kernels sum"), the
+whole model's decode graph replayed alone, and the median `engine.step()`; the step minus the graph, the LM head
+and the sampler (`host_gap_ms`) is the step's input copies and small kernels and any time the GPU waits for the
+host (scheduling, batch building, launch, output processing). The prefill: 8 x 1000 tokens, its GEMMs (two calls a
+graph: their outputs are large), its attention (the layer's own call over the 8 prompts, launched as a step
+launches it) and the rest, against the step's time.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import random
 import statistics
 import sys
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -50,11 +52,11 @@ REPS = 20
 PREFILL_REPS = 2  # a prefill GEMM runs ~0.1-1 ms, and 20 of gate/up's 8000-row outputs take 9 GB
 
 
-def graph_seconds(fn: Callable[[], object], device: torch.device, reps: int = REPS) -> float:
-    """Seconds per call of `fn`, `reps` calls captured in one CUDA graph as the engine captures its own (each call's
-    output stays allocated in the graph's pool: few calls for large outputs)."""
-    graph, _ = capture(lambda: [fn() for _ in range(reps)], None)
-    return median_seconds(graph.replay, 5, device=device, warmup=1) / reps
+def graph_seconds(calls: list[Callable[[], object]], device: torch.device) -> float:
+    """Seconds per call of `calls`, captured one after another in one CUDA graph as the engine captures its own
+    (each call's output stays allocated in the graph's pool: few calls for large outputs)."""
+    graph, _ = capture(lambda: [call() for call in calls], None)
+    return median_seconds(graph.replay, 5, device=device, warmup=1) / len(calls)
 
 
 def nbytes(*tensors: torch.Tensor) -> int:
@@ -65,6 +67,7 @@ def decode_kernels(engine: LLMEngine, batch: int, context: int, bandwidth: float
     """One layer's decode kernels at `batch` x `context` (times the layer count), the LM head and the sampler."""
     runner, cfg = engine.runner, engine.model_config
     layer, model, device, dtype = runner.model.layers[0], runner.model, runner.device, runner.dtype
+    layers = model.layers[:REPS]
     hidden = torch.randn(batch, cfg.hidden_size, device=device, dtype=dtype)
     residual = torch.randn_like(hidden)
     qkv = layer.qkv_proj(hidden)
@@ -89,30 +92,40 @@ def decode_kernels(engine: LLMEngine, batch: int, context: int, bandwidth: float
     logits_weight = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     n = cfg.num_layers
     rows = [
-        ("add + RMSNorm (x2)", 2 * n, lambda: layer.input_layernorm(hidden, residual), 4 * nbytes(hidden)),
-        ("qkv GEMM", n, lambda: layer.qkv_proj(hidden), nbytes(layer.qkv_proj.weight, hidden, qkv)),
+        ("add + RMSNorm (x2)", 2 * n, [lambda: layer.input_layernorm(hidden, residual)], 4 * nbytes(hidden)),
+        ("qkv GEMM", n, [partial(ly.qkv_proj, hidden) for ly in layers], nbytes(layer.qkv_proj.weight, hidden, qkv)),
         (
             "RoPE + k/v store",
             n,
-            lambda: layer.attn.store_rotated(layer.rotary, positions, q, k, v, slots),
+            [lambda: layer.attn.store_rotated(layer.rotary, positions, q, k, v, slots)],
             2 * nbytes(q, k) + 2 * nbytes(k, v),
         ),
         (
             "decode attention",
             n,
-            lambda: paged_decode.decode_attention(q, k_cache, v_cache, tables, lens, layer.attn.scale, attn_out),
+            [lambda: paged_decode.decode_attention(q, k_cache, v_cache, tables, lens, layer.attn.scale, attn_out)],
             kv_bytes + 2 * nbytes(q),
         ),
-        ("o GEMM", n, lambda: layer.o_proj(q.flatten(1)), nbytes(layer.o_proj.weight, q, hidden)),
-        ("gate/up GEMM", n, lambda: layer.gate_up_proj(hidden), nbytes(layer.gate_up_proj.weight, hidden, gate_up)),
-        ("SiLU * up", n, lambda: silu_and_mul(gate_up), nbytes(gate_up, ffn)),
-        ("down GEMM", n, lambda: layer.down_proj(ffn), nbytes(layer.down_proj.weight, ffn, hidden)),
-        ("LM head", 1, lambda: model.compute_logits(hidden), nbytes(logits_weight) + batch * cfg.vocab_size * 6),
+        ("o GEMM", n, [partial(ly.o_proj, q.flatten(1)) for ly in layers], nbytes(layer.o_proj.weight, q, hidden)),
+        (
+            "gate/up GEMM",
+            n,
+            [partial(ly.gate_up_proj, hidden) for ly in layers],
+            nbytes(layer.gate_up_proj.weight, hidden, gate_up),
+        ),
+        ("SiLU * up", n, [lambda: silu_and_mul(gate_up)], nbytes(gate_up, ffn)),
+        ("down GEMM", n, [partial(ly.down_proj, ffn) for ly in layers], nbytes(layer.down_proj.weight, ffn, hidden)),
+        (
+            "LM head",
+            1,
+            [lambda: model.compute_logits(hidden)],
+            nbytes(logits_weight) + batch * cfg.vocab_size * 6,
+        ),
     ]
     out = []
     with runner.gemms.applied(batch):
-        for name, per_step, fn, moved in rows:
-            seconds = graph_seconds(fn, device)
+        for name, per_step, calls, moved in rows:
+            seconds = graph_seconds(calls * (REPS // len(calls)), device)
             out.append(_row(name, per_step, seconds, moved / bandwidth))
     return out
 
@@ -189,7 +202,7 @@ def prefill(engine: LLMEngine, peak: float, num_seqs: int = 8, tokens: int = 100
     ]
     rows = []
     for name, linear, x in gemms:
-        seconds = graph_seconds(lambda lin=linear, x=x: lin(x), device, reps=PREFILL_REPS)
+        seconds = graph_seconds([partial(linear, x)] * PREFILL_REPS, device)
         rows.append(_row(name, n, seconds, _gemm_flops(linear, m) / peak))
     attention_flops = num_seqs * 2 * 2 * layer.num_heads * layer.head_dim * tokens * tokens / 2
     meta = prefill_metadata(tokens, engine.config.block_size, device, num_prompts=num_seqs)
