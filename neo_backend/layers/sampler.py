@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 
 import torch
 
 from ..core.sequence import Sequence
-from ..staging import tensor_on
+from ..staging import tensor_on, to_device
 from . import fused
 
 
@@ -100,21 +101,25 @@ class Sampler:
         return params.greedy and not params.has_penalties and seq.num_output_tokens >= params.min_tokens
 
     def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Every penalised row at once, at the positions of its tokens only: a handful of kernels whatever the batch
+        (a loop over rows launches a dozen a row)."""
         rows = [i for i, s in enumerate(seqs) if s.params.has_penalties]
         if not rows:
             return logits
+        params = [seqs[i].params for i in rows]
         logits = logits.clone()
-        for i in rows:
-            p = seqs[i].params
-            if p.repetition_penalty != 1.0:
-                seen = tensor_on(sorted(set(seqs[i].token_ids)), torch.long, logits.device)
-                vals = logits[i, seen]
-                logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-            outputs = seqs[i].output_token_ids
-            if outputs and (p.presence_penalty or p.frequency_penalty):
-                counts = torch.bincount(tensor_on(outputs, torch.long, logits.device), minlength=logits.shape[1])
-                counts = counts[: logits.shape[1]].to(logits.dtype)
-                logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+        flat = logits.view(-1)
+        if any(p.repetition_penalty != 1.0 for p in params):
+            at, row = _token_positions(rows, [seqs[i].token_ids for i in rows], logits)
+            rep = tensor_on([p.repetition_penalty for p in params], logits.dtype, logits.device)[row]
+            values = flat[at]
+            flat[at] = torch.where(values > 0, values / rep, values * rep)  # a repeated token writes one value
+        if any(p.presence_penalty or p.frequency_penalty for p in params):
+            at, row = _token_positions(rows, [seqs[i].output_token_ids for i in rows], logits)
+            presence = tensor_on([p.presence_penalty for p in params], logits.dtype, logits.device)[row]
+            frequency = tensor_on([p.frequency_penalty for p in params], logits.dtype, logits.device)[row]
+            flat[at] = flat[at] - presence  # once per token, however often it stands
+            flat.index_put_((at,), -frequency, accumulate=True)  # once per occurrence
         return logits
 
     def _apply_min_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -171,3 +176,20 @@ class Sampler:
                     seq.generator = torch.Generator(device=probs.device).manual_seed(seq.params.seed)
                 noise[row].exponential_(generator=seq.generator)
         return noise
+
+
+def _token_positions(
+    rows: list[int], histories: list[list[int]], logits: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each token of each history stands in `logits` viewed flat (row `rows[i]` for `histories[i]`), and
+    each one's i; all histories in one copy to the device."""
+    device = logits.device
+    flat_tokens = array("q")
+    for history in histories:
+        flat_tokens.extend(history)
+    tokens = to_device(
+        torch.frombuffer(flat_tokens, dtype=torch.long) if flat_tokens else torch.empty(0, dtype=torch.long), device
+    )
+    lengths = tensor_on([len(h) for h in histories], torch.long, device)
+    which = torch.repeat_interleave(torch.arange(len(rows), device=device), lengths, output_size=tokens.numel())
+    return tensor_on(rows, torch.long, device)[which] * logits.shape[1] + tokens, which
