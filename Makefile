@@ -14,7 +14,7 @@ WORKLOAD ?= fixed
 API ?= triton
 SOAK_DURATION ?= 300
 
-.PHONY: install build model serve lint test bench-kernel bench loadtest soak clean
+.PHONY: install build model serve lint test test-slow bench-kernel bench loadtest soak clean
 
 install: $(STAMP)
 
@@ -40,7 +40,10 @@ lint: install
 	$(PY) -m ruff format --check .
 
 test: lint build model
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q --durations=15 -m "not slow"
+
+test-slow: build model
+	$(PY) -m pytest -q --durations=15 -m slow
 
 bench-kernel: build
 	$(PY) bench/kernel.py

@@ -125,7 +125,7 @@ def smollm_path() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm_engine() -> LLMEngine:
-    return LLMEngine(EngineConfig(num_gpu_blocks=1024, max_num_seqs=32))
+    return LLMEngine(EngineConfig(num_gpu_blocks=1024, max_num_seqs=32, cpu_kv_cache_gb=0.25))
 
 
 @pytest.fixture(scope="session")

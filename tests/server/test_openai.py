@@ -33,7 +33,7 @@ from openai_frontend.errors import APIError, from_client_error
 from openai_frontend.served_model import ServedModel
 
 ROOT = Path(__file__).resolve().parents[2]
-KNOBS = {"num_gpu_blocks": 256, "max_model_len": 512, "cpu_kv_cache_gb": 0.05, "max_num_seqs": 16}
+KNOBS = {"num_gpu_blocks": 256, "max_model_len": 512, "cpu_kv_cache_gb": 0.05, "max_num_seqs": 32}
 MODEL = "neo"
 PROMPT = "The capital of France is"
 QUESTION = "What is the capital of France?"

@@ -60,6 +60,7 @@ def assert_serves(server: RunningServer) -> None:
 # 1. Soak ---------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # `make soak` runs the same soak for longer
 def test_short_soak_mixed_load_leaves_no_error_leak_or_memory_growth(server):
     report = run_soak(
         server.grpc_url,
@@ -543,7 +544,8 @@ def test_grpc_can_be_restricted_to_clients_with_a_key():
     """Authentication through Triton's own option, passed as `make serve` passes NEO_TRITON_ARGS."""
     key = "x-neo-key"
     restricted = [f"--grpc-restricted-protocol=health,inference:{key}=s3cret"]
-    with triton_server({"num_gpu_blocks": 64, "max_model_len": 256}, extra_args=restricted) as running:
+    knobs = {"num_gpu_blocks": 64, "max_model_len": 256, "cpu_kv_cache_gb": 0.05}
+    with triton_server(knobs, extra_args=restricted) as running:
         client = grpcclient.InferenceServerClient(running.grpc_url)
         with pytest.raises(InferenceServerException, match="(?i)unauthenticated|restricted|header"):
             client.is_server_ready(client_timeout=10)

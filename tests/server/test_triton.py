@@ -414,6 +414,7 @@ def test_serve_says_how_to_reach_it_and_stops_cleanly_on_sigterm(tmp_path):
         "NEO_METRICS_PORT": str(metrics),
         "NEO_OPENAI_PORT": str(openai),
         "NEO_NUM_GPU_BLOCKS": "256",
+        "NEO_CPU_KV_CACHE_GB": "0.05",
     }
     log_path = tmp_path / "serve.log"
     with log_path.open("w") as log:

@@ -34,7 +34,9 @@ BAD_REQUESTS = [
 
 @pytest.fixture(scope="module", params=["off", "on"], ids=lambda mode: f"overlap_steps={mode}")
 def front(request):
-    front = StreamingEngine(EngineConfig(num_gpu_blocks=256, max_model_len=1024, overlap_steps=request.param))
+    front = StreamingEngine(
+        EngineConfig(num_gpu_blocks=256, max_model_len=1024, cpu_kv_cache_gb=0.05, overlap_steps=request.param)
+    )
     yield front
     front.shutdown()
 

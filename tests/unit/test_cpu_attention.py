@@ -471,6 +471,7 @@ def test_decode_iteration_bad_input_raises_before_c(no_c_calls):
 # --- another build of the library (bench/kernel_ab.py) ---------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)  # a full compile: minutes on a small, busy host
 def test_a_copy_of_the_sources_builds_apart_and_its_kernels_serve_calls(tmp_path, monkeypatch):
     monkeypatch.setenv("NEO_KERNEL_CACHE", str(tmp_path / "cache"))
