@@ -333,7 +333,7 @@ def stop_gateway(process: subprocess.Popen) -> int:
 
 def serve() -> int:
     """Run tritonserver, and the OpenAI gateway beside it unless NEO_OPENAI_PORT=off, in the foreground until
-    either exits; SIGTERM or SIGINT stops both (see `stop_server`)."""
+    either exits; SIGTERM or SIGINT stops both (see `stop_server`). The ready banner waits for both to answer."""
     address = ServerAddress.from_env()
     repository = Path(os.environ.get("NEO_MODEL_REPOSITORY") or DEFAULT_MODEL_REPOSITORY)
     overrides = knob_overrides(repository)
@@ -354,7 +354,7 @@ def serve() -> int:
             gateway = launch_gateway(address) if with_gateway else None
             announced = False
             while process.poll() is None and (gateway is None or gateway.poll() is None) and not stopping.wait(0.5):
-                if not announced and is_ready(address):
+                if not announced and is_ready(address) and (gateway_url is None or _answers(f"{gateway_url}/health")):
                     announced = True
                     for line in ready_banner(address, gateway_url):
                         log.info("%s", line)
@@ -374,14 +374,16 @@ def is_ready(address: ServerAddress, timeout: float = 1.0) -> bool:
     """Whether the server answers HTTP /v2/health/ready with 200 (the model has loaded, profiled and allocated)
     and serves its metrics page, which tritonserver starts a moment after the HTTP service."""
     urls = (f"http://{address.url('http')}/v2/health/ready", f"http://{address.url('metrics')}/metrics")
+    return all(_answers(url, timeout) for url in urls)
+
+
+def _answers(url: str, timeout: float = 1.0) -> bool:
+    """Whether a GET of `url` answers 200."""
     try:
-        for url in urls:
-            with urllib.request.urlopen(url, timeout=timeout) as response:
-                if response.status != 200:
-                    return False
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return response.status == 200
     except (urllib.error.URLError, OSError):
         return False
-    return True
 
 
 def ready_banner(address: ServerAddress, gateway_url: str | None) -> list[str]:

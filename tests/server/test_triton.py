@@ -430,6 +430,8 @@ def test_serve_says_how_to_reach_it_and_stops_cleanly_on_sigterm(tmp_path):
         while "  or:   curl" not in log_path.read_text() and time.monotonic() < deadline:
             assert process.poll() is None, log_path.read_text()[-4000:]
             time.sleep(0.5)
+        with urllib.request.urlopen(f"http://127.0.0.1:{openai}/health", timeout=10) as response:
+            assert response.status == 200  # the banner waits for the gateway as well as for Triton
         time.sleep(2)
         tail = log_path.read_text().splitlines()[-7:]
         assert tail[0].endswith("ready: model 'neo'"), tail
